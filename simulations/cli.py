@@ -1,0 +1,112 @@
+"""The ``fedfilter`` command line.
+
+Subcommands:
+  budget   privacy calculator: each filter's budget and the full-norm rounds it allows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from protocol.budget import budget_report
+from protocol.validate import PrivacyParameterError, open_unit, positive, positive_int
+
+
+def _number(text: str) -> float:
+    """Parse a float, keeping NaN and infinity so that validation names them."""
+    try:
+        return float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
+
+
+def _add_budget(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "budget",
+        help="each filter's budget and the full-norm rounds it allows",
+        description=(
+            "Privacy calculator. For a target (epsilon, delta) per unit and Gaussian rounds of noise std S "
+            "with clip C, prints each filter's budget and how many rounds at full norm it allows."
+        ),
+    )
+    p.add_argument("--epsilon", type=_number, required=True, help="target epsilon per unit (> 0)")
+    p.add_argument("--delta", type=_number, required=True, help="target delta per unit, in (0, 1)")
+    p.add_argument("--noise-std", type=_number, required=True, help="Gaussian noise std per round (> 0)")
+    p.add_argument("--clip", type=_number, required=True, help="L2 clip norm C (> 0)")
+    p.add_argument("--max-rounds", type=int, default=None, help="N, for the realisation-level filter (TVC)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=_run_budget)
+
+
+def _run_budget(args: argparse.Namespace) -> int:
+    # Validate under the names the user typed, so the error names the argument.
+    positive("--epsilon", args.epsilon)
+    open_unit("--delta", args.delta)
+    positive("--noise-std", args.noise_std)
+    positive("--clip", args.clip)
+    if args.max_rounds is not None:
+        positive_int("--max-rounds", args.max_rounds)
+    report = budget_report(
+        epsilon=args.epsilon,
+        delta=args.delta,
+        noise_std=args.noise_std,
+        l2_clip=args.clip,
+        max_rounds=args.max_rounds,
+    )
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    filters = report["filters"]
+    assert isinstance(filters, dict)
+    mu = args.clip / args.noise_std
+    print(f"target ({args.epsilon:g}, {args.delta:g})-DP per unit; Gaussian rounds with noise std {args.noise_std:g},")
+    print(f"clip {args.clip:g}: sensitivity mu = {mu:.6g} per full-norm round")
+    print()
+    print(f"{'filter':<34}{'budget':>22}{'full-norm rounds':>18}")
+    rows = [
+        ("GDP (default)", f"mu_B = {filters['gdp']['mu_budget']:.6f}", filters["gdp"]["rounds"]),
+        ("zCDP, CKS conversion", f"rho_B = {filters['zcdp_cks']['rho_budget']:.6f}", filters["zcdp_cks"]["rounds"]),
+        ("zCDP, BS conversion (FZ Thm 4.8)", f"rho_B = {filters['zcdp_bs']['rho_budget']:.6f}", filters["zcdp_bs"]["rounds"]),
+        ("Rényi, best order fixed in advance", f"order = {filters['rdp']['order']:.4f}", filters["rdp"]["rounds"]),
+    ]
+    for name, budget, rounds in rows:
+        print(f"{name:<34}{budget:>22}{rounds:>18}")
+    if "realisation" in filters:
+        r = filters["realisation"]
+        print()
+        print(
+            f"realisation-level filter (TVC), N = {r['max_rounds']}: continue while |L| <= kappa = {r['kappa']:.6f} "
+            f"(delta~ = {r['delta_tilde']:.3g}, theta = {r['theta']:.3g})"
+        )
+        if r["kappa"] <= 0:
+            print("  kappa <= 0: at this sigma and (epsilon, delta) the realisation filter stops after one request")
+    print()
+    print("Units whose realised contributions are smaller than C keep going after these rounds (FZ Prop. 5.1).")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedfilter",
+        description="Federated learning and analytics with individual privacy filters.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_budget(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except PrivacyParameterError as exc:
+        print(f"fedfilter {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
