@@ -45,9 +45,10 @@ FilterKind = Literal["gdp", "zcdp", "renyi", "renyi_multi"]
 FILTER_KINDS: tuple[str, ...] = ("gdp", "zcdp", "renyi", "renyi_multi")
 
 # A unit whose remaining budget is at most this fraction of T is exhausted. Partial
-# clipping leaves a float32 rounding margin (see :func:`clip_scales`); without this
-# rule a unit would go on releasing ever smaller remainders.
-EXHAUSTED_FRACTION = 1e-6
+# clipping leaves a rounding margin of 64 ulps of the norm (see :func:`clip_scales`),
+# about 1.5e-5 of S in float32; without this rule a unit would go on releasing ever
+# smaller remainders. It leaves at most 0.01% of a budget unused.
+EXHAUSTED_FRACTION = 1e-4
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,16 @@ class FilterState:
             raise PrivacyParameterError(f"n_units: expected an integer >= 1, got {n_units!r}")
         return cls(spent=np.zeros(n_units), stopped=np.zeros(n_units, dtype=np.bool_))
 
+    @classmethod
+    def _built(cls, spent: NDArray[np.float64], stopped: NDArray[np.bool_]) -> FilterState:
+        """A state from arrays :func:`charge` has just computed (valid by construction): no copy, no re-check."""
+        spent.setflags(write=False)
+        stopped.setflags(write=False)
+        out = object.__new__(cls)
+        object.__setattr__(out, "spent", spent)
+        object.__setattr__(out, "stopped", stopped)
+        return out
+
     @property
     def n_units(self) -> int:
         return int(self.spent.size)
@@ -250,9 +261,12 @@ def partial_clip(filt: GaussianFilter, state: FilterState, *, noise_std: float, 
     """
     sigma = positive("noise_std", noise_std)
     clip = positive("l2_clip", l2_clip)
-    out = np.sqrt(remaining(filt, state))
+    out = np.subtract(filt.threshold, state.spent)
+    np.maximum(out, 0.0, out=out)
+    np.sqrt(out, out=out)
     out *= sigma
     np.minimum(out, clip, out=out)
+    np.copyto(out, 0.0, where=state.stopped)
     return out
 
 
@@ -276,6 +290,12 @@ class Charge:
 
     state: FilterState
     admitted: NDArray[np.bool_] = field(repr=False)
+    refused: NDArray[np.bool_] = field(repr=False)
+
+    def release(self, *, kind: str, round_id: str, noise_std: float, l2_norms: NDArray[np.floating]) -> GaussianRelease:
+        """The record of what this charge let out: admitted norms, zeros elsewhere, and the refusals."""
+        released = np.where(self.admitted, np.asarray(l2_norms, dtype=np.float64).reshape(-1), 0.0)
+        return GaussianRelease(kind, round_id, noise_std, released, refused=self.refused)
 
 
 def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_norms: NDArray[np.floating]) -> Charge:
@@ -290,19 +310,25 @@ def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_nor
     norms = np.asarray(l2_norms, dtype=np.float64).reshape(-1)
     if norms.size != state.n_units:
         raise PrivacyParameterError(f"l2_norms: expected {state.n_units} norms (one per unit), got {norms.size}")
-    if not np.all(np.isfinite(norms)) or np.any(norms < 0):
+    # Two reductions check every entry: a NaN or infinity makes the sum non-finite.
+    if not (math.isfinite(float(norms.sum())) and float(norms.min()) >= 0.0):
         raise PrivacyParameterError("l2_norms: expected finite norms >= 0, found NaN, infinity or a negative value")
     threshold = filt.threshold
-    new_spent = np.square(norms)
-    new_spent *= 1.0 / (sigma * sigma)
+    new_spent = np.multiply(norms, 1.0 / sigma)
+    np.multiply(new_spent, new_spent, out=new_spent)
     new_spent += state.spent
     admitted = new_spent <= threshold
     admitted &= ~state.stopped
     wants = norms > 0
     refused = wants & ~admitted
-    np.copyto(new_spent, state.spent, where=~admitted)
-    stopped = state.stopped | refused | (new_spent >= threshold * (1.0 - EXHAUSTED_FRACTION))
-    return Charge(state=FilterState(spent=new_spent, stopped=stopped), admitted=admitted & wants)
+    # A unit with norm 0 already has new_spent == spent; only refused units need undoing.
+    if refused.any():
+        np.copyto(new_spent, state.spent, where=refused)
+    stopped = new_spent >= threshold * (1.0 - EXHAUSTED_FRACTION)
+    stopped |= state.stopped
+    stopped |= refused
+    admitted &= wants
+    return Charge(state=FilterState._built(new_spent, stopped), admitted=admitted, refused=refused)
 
 
 def rebuild(filt: GaussianFilter, n_units: int, releases: Iterable[GaussianRelease]) -> FilterState:
@@ -310,9 +336,14 @@ def rebuild(filt: GaussianFilter, n_units: int, releases: Iterable[GaussianRelea
 
     A release that charges a unit the filter would have refused means the record
     list is not one this filter produced: that is an error, never a silent skip.
+    Units a record marks as refused are stopped, as they were when it was made.
     """
     state = FilterState.fresh(n_units)
     for release in releases:
+        if release.l2_norms.size != n_units:
+            raise PrivacyParameterError(
+                f"release {release.round_id!r}: expected {n_units} norms (one per unit), got {release.l2_norms.size}"
+            )
         result = charge(filt, state, noise_std=release.noise_std, l2_norms=release.l2_norms)
         over = (release.l2_norms > 0) & ~result.admitted
         if np.any(over):
@@ -321,5 +352,6 @@ def rebuild(filt: GaussianFilter, n_units: int, releases: Iterable[GaussianRelea
                 f"release {release.round_id!r}: unit {first} was charged beyond what the filter admits "
                 f"(spent {state.spent[first]!r}, threshold {filt.threshold!r})"
             )
-        state = result.state
+        assert release.refused is not None
+        state = FilterState(spent=result.state.spent, stopped=result.state.stopped | release.refused)
     return state

@@ -44,14 +44,18 @@ class GaussianRelease:
     """What one Gaussian release disclosed about each unit: kind, round id, noise std, clipped norms.
 
     ``l2_norms[u]`` is the L2 norm of unit u's clipped contribution in this release
-    (0 for a unit that did not take part). Privacy: the record is what the ledger
-    stores and what filters are rebuilt from; it never holds data or noise.
+    (0 for a unit that did not take part). ``refused[u]`` marks a unit the filter
+    refused in this release (it asked for more than it had left, released 0 and
+    stopped for good): the stop is part of the record so that replaying records
+    rebuilds it. Privacy: the record is what the ledger stores and what filters are
+    rebuilt from; it never holds data or noise.
     """
 
     kind: str
     round_id: str
     noise_std: float
     l2_norms: NDArray[np.float64] = field(repr=False)
+    refused: NDArray[np.bool_] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in RELEASE_KINDS:
@@ -60,6 +64,14 @@ class GaussianRelease:
             raise PrivacyParameterError(f"round_id: expected a non-empty string, got {self.round_id!r}")
         object.__setattr__(self, "noise_std", positive("noise_std", self.noise_std))
         object.__setattr__(self, "l2_norms", _readonly_norms(self.l2_norms))
+        refused = np.zeros(self.l2_norms.size, dtype=np.bool_) if self.refused is None else self.refused
+        refused = np.array(refused, dtype=np.bool_, copy=True).reshape(-1)
+        if refused.size != self.l2_norms.size:
+            raise PrivacyParameterError(f"refused: expected {self.l2_norms.size} flags, got {refused.size}")
+        if np.any(self.l2_norms[refused] > 0):
+            raise PrivacyParameterError("refused: a refused unit cannot have released a non-zero contribution")
+        refused.setflags(write=False)
+        object.__setattr__(self, "refused", refused)
 
     @property
     def mu(self) -> NDArray[np.float64]:
