@@ -1,0 +1,352 @@
+"""The client agent's request handling, independent of Flower.
+
+One request, in this order (privacy.md §2-4, 8, 9; architecture.md "Data through one round"):
+
+1. decode and validate through the closed tables of :mod:`protocol.messages`;
+2. replay: a request id already answered returns the stored reply byte for byte (no new
+   noise, no new charge); the same id with other content is refused;
+3. policy: a request outside the client's limits gets a typed error and spends nothing;
+4. contributions: one row per unit (per-record gradients, indicators, or the client's one row);
+5. the filter gives each unit its clip (partial clipping, FZ Alg. 3) and prices the release;
+6. noise is added in local trust (N(0, sigma^2 I) on the client's sum);
+7. the charge, the new state and the exact reply bytes are committed in one durable
+   transaction; only then does the reply leave (charge before release). A crash before
+   the commit released nothing; a crash after it is answered from the stored reply.
+
+``FEDFILTER_FAULT`` (tests only) kills the process at a named step, to prove the order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from client_agent.config import AgentConfig
+from client_agent.ledger import Ledger, LedgerConfig, LedgerError
+from protocol import messages as wire
+from protocol.filters import FilterState, charge, clip_scales, partial_clip
+from protocol.realisation import RealisationState, advance, decide, realised_loss
+
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
+
+
+class PolicyError(ValueError):
+    """A request the client's policy does not allow (nothing is spent)."""
+
+
+class ReplayError(ValueError):
+    """A request id already answered, reused with other content."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What goes back over the wire: a reply (config, arrays) or a typed error (code, reason)."""
+
+    config: dict[str, Any] | None = None
+    arrays: dict[str, NDArray[Any]] | None = None
+    error_code: int = 0
+    error_reason: str = ""
+
+    @property
+    def is_error(self) -> bool:
+        return self.error_code != 0
+
+
+def fault_point(step: str) -> None:
+    """Kill this process with SIGKILL if FEDFILTER_FAULT names ``step`` (crash-safety tests only)."""
+    if os.environ.get("FEDFILTER_FAULT") == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pack_reply(config: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> bytes:
+    """The exact bytes of a reply, as stored in the ledger and replayed."""
+    buf = io.BytesIO()
+    np.savez(buf, __config__=np.frombuffer(json.dumps(config, sort_keys=True).encode(), dtype=np.uint8), **arrays)
+    return buf.getvalue()
+
+
+def unpack_reply(blob: bytes) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as data:
+        config = json.loads(bytes(data["__config__"]).decode())
+        arrays = {k: data[k] for k in data.files if k != "__config__"}
+    return config, arrays
+
+
+def load_client_data(path: os.PathLike[str] | str) -> tuple[NDArray[Any], NDArray[Any], str]:
+    """The client's records: ``x`` and ``y`` arrays from an .npz file, and the file's SHA-256."""
+    raw = open(path, "rb").read()  # noqa: SIM115 - read whole file once for its fingerprint
+    with np.load(io.BytesIO(raw), allow_pickle=False) as data:
+        if "x" not in data.files or "y" not in data.files:
+            raise ValueError(f"data {path}: expected arrays 'x' and 'y' in the .npz file, found {data.files}")
+        x, y = data["x"], data["y"]
+    if len(x) != len(y) or len(x) == 0:
+        raise ValueError(f"data {path}: expected as many labels as records (> 0), got {len(x)} and {len(y)}")
+    return x, y, hashlib.sha256(raw).hexdigest()
+
+
+class Agent:
+    """One client agent: its configuration, data, filter and ledger."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.x, self.y, fingerprint = load_client_data(config.data_path)
+        self.n_units = len(self.x) if config.unit == "record" else 1
+        if config.filter == "realisation":
+            self.realisation = config.realisation_filter()
+            self.gaussian = None
+            described = self.realisation.describe()
+            initial = {
+                "loss": np.zeros(self.n_units),
+                "accepting": RealisationState.fresh(self.realisation, self.n_units).accepting,
+                "answered": np.zeros(1, dtype=np.int64),
+            }
+        else:
+            self.realisation = None
+            self.gaussian = config.gaussian_filter()
+            described = self.gaussian.describe()
+            initial = {"spent": np.zeros(self.n_units), "stopped": np.zeros(self.n_units, dtype=np.bool_)}
+        initial["halt_round"] = np.full(self.n_units, -1, dtype=np.int64)
+        initial["monitor_last"] = np.zeros(1, dtype=np.int64)
+        self.ledger_config = LedgerConfig(
+            filter=config.filter,
+            epsilon=config.epsilon,
+            delta=config.delta,
+            unit=config.unit,
+            trust=config.trust,
+            n_units=self.n_units,
+            params={"filter": described, "monitor": config.monitor.describe(), "data_sha256": fingerprint},
+        )
+        self.ledger = Ledger.open(config.ledger_path, self.ledger_config, initial_state=initial)
+
+    def close(self) -> None:
+        self.ledger.close()
+
+    # -- public entry ----------------------------------------------------------------
+
+    def handle(self, message_type: str, config: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> Outcome:
+        """Answer one request; every failure is a typed error and spends nothing."""
+        try:
+            request = wire.decode_request(message_type, config, arrays)
+            if isinstance(request, wire.StatusRequest):
+                return Outcome(*wire.StatusReply(request.request_id, self.status_json()).encode())
+            digest = wire.request_digest(message_type, config, arrays)
+            stored = self.ledger.lookup(request.request_id)
+            if stored is not None:
+                if stored.digest != digest:
+                    raise ReplayError(
+                        f"request id {request.request_id!r} was answered before with other content; "
+                        "a new request needs a new id"
+                    )
+                return Outcome(*unpack_reply(stored.reply))
+            self.check_policy(request)
+            return self.answer(request, digest)
+        except wire.ProtocolError as exc:
+            return Outcome(error_code=wire.ERR_MALFORMED, error_reason=str(exc))
+        except PolicyError as exc:
+            return Outcome(error_code=wire.ERR_POLICY, error_reason=str(exc))
+        except ReplayError as exc:
+            return Outcome(error_code=wire.ERR_REPLAY, error_reason=str(exc))
+        except LedgerError as exc:
+            return Outcome(error_code=wire.ERR_LEDGER, error_reason=str(exc))
+
+    def status_json(self) -> str:
+        return json.dumps(
+            {"ledger": json.loads(self.ledger_config.to_json()), "policy": self.config.policy.describe()},
+            sort_keys=True,
+        )
+
+    # -- policy -----------------------------------------------------------------------
+
+    def check_policy(self, request: wire.Request) -> None:
+        """Refuse what the client's policy or ledger does not allow, naming the limit, the value asked and allowed."""
+        policy = self.config.policy
+        kind = wire.message_type_of(request)
+        if kind not in policy.allowed_kinds:
+            raise PolicyError(f"request kind {kind!r} is not allowed; allowed kinds: {list(policy.allowed_kinds)}")
+        trust = getattr(request, "trust", self.config.trust)
+        if trust not in policy.allowed_trust or trust != self.config.trust:
+            raise PolicyError(f"trust {trust!r} asked; this client's ledger is fixed to trust {self.config.trust!r}")
+        unit = getattr(request, "unit", self.config.unit)
+        if unit != self.config.unit:
+            raise PolicyError(f"unit {unit!r} asked; this client's ledger is fixed to unit {self.config.unit!r}")
+        if isinstance(request, (wire.GradientRequest, wire.IndicatorRequest)):
+            if request.noise_std < policy.min_noise_std:
+                raise PolicyError(
+                    f"noise_std {request.noise_std!r} asked; the policy requires noise_std >= {policy.min_noise_std!r}"
+                )
+            if request.noise_std / request.l2_clip < policy.min_noise_multiplier:
+                raise PolicyError(
+                    f"noise multiplier {request.noise_std / request.l2_clip!r} asked; the policy requires "
+                    f">= {policy.min_noise_multiplier!r}"
+                )
+            if request.l2_clip > policy.max_clip:
+                raise PolicyError(f"l2_clip {request.l2_clip!r} asked; the policy allows at most {policy.max_clip!r}")
+        if isinstance(request, wire.GradientRequest) and request.parameters.size > policy.max_model_params:
+            raise PolicyError(
+                f"model size {request.parameters.size} parameters asked; the policy allows at most "
+                f"{policy.max_model_params}"
+            )
+        used = self.ledger.requests_in_run(request.run_id)
+        if used >= policy.max_rounds_per_run:
+            raise PolicyError(
+                f"round {used + 1} of run {request.run_id!r} asked; the policy allows at most "
+                f"{policy.max_rounds_per_run} requests per run"
+            )
+
+    # -- answering ------------------------------------------------------------------------
+
+    def answer(self, request: wire.Request, digest: str) -> Outcome:
+        state = self.ledger.state()
+        if isinstance(request, wire.MonitorRequest):
+            reply, new_state, release = self.monitor_reply(request, state)
+        else:
+            assert isinstance(request, (wire.GradientRequest, wire.IndicatorRequest))
+            rows = self.contributions(request)
+            fault_point("after_compute")
+            reply, new_state, release = self.release(request, rows, state)
+        cfg, arrs = reply.encode()
+        blob = pack_reply(cfg, arrs)
+        self.ledger.commit(
+            request_id=request.request_id,
+            message_type=wire.message_type_of(request),
+            run_id=request.run_id,
+            digest=digest,
+            release=release,
+            new_state=new_state,
+            reply=blob,
+        )
+        fault_point("after_commit")
+        return Outcome(*unpack_reply(blob))
+
+    def rng(self, request_id: str) -> np.random.Generator:
+        """Noise source: OS entropy, or (simulations and tests) a seed mixed with the request id."""
+        if self.config.noise_seed is None:
+            return np.random.default_rng()
+        mix = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
+        return np.random.default_rng([self.config.noise_seed, mix])
+
+    def contributions(self, request: wire.GradientRequest | wire.IndicatorRequest) -> NDArray[np.float32]:
+        """Each unit's unclipped contribution, one row per unit (float32)."""
+        from client_agent.workloads import gradient_rows, indicator_rows
+
+        if isinstance(request, wire.GradientRequest):
+            return gradient_rows(request, self.x, self.y, unit=self.config.unit)
+        return indicator_rows(request, self.x, self.y, unit=self.config.unit)
+
+    def release(
+        self,
+        request: wire.GradientRequest | wire.IndicatorRequest,
+        rows: NDArray[np.float32],
+        state: dict[str, NDArray[Any]],
+    ) -> tuple[wire.ContributionReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
+        """Clip, price, noise: the reply, the new filter state and the release record."""
+        sigma, clip = request.noise_std, request.l2_clip
+        norms = np.linalg.norm(rows.astype(np.float64), axis=1)
+        new_state = dict(state)
+        kind = "gradient" if isinstance(request, wire.GradientRequest) else "indicator"
+        if self.gaussian is not None:
+            fstate = FilterState(spent=state["spent"], stopped=state["stopped"])
+            bounds = partial_clip(self.gaussian, fstate, noise_std=sigma, l2_clip=clip)
+            scales = clip_scales(norms, bounds, dtype_eps=FLOAT32_EPS).astype(np.float32)
+            clipped = rows * scales[:, None]
+            clipped_norms = np.linalg.norm(clipped.astype(np.float64), axis=1)
+            result = charge(self.gaussian, fstate, noise_std=sigma, l2_norms=clipped_norms)
+            clipped[~result.admitted] = 0.0
+            record = result.release(kind=kind, round_id=request.request_id, noise_std=sigma, l2_norms=clipped_norms)
+            newly = result.state.stopped & ~fstate.stopped
+            new_state.update(spent=np.array(result.state.spent), stopped=np.array(result.state.stopped))
+            release: dict[str, NDArray[Any]] = {
+                "kind": np.array(kind), "noise_std": np.array([sigma]),
+                "l2_norms": record.l2_norms, "refused": np.asarray(record.refused),
+            }
+            active_after = ~result.state.stopped
+            noise = self.rng(request.request_id).normal(0.0, sigma, rows.shape[1]) if self.config.trust == "local" else None
+        else:
+            assert self.realisation is not None
+            rstate = RealisationState(
+                loss=state["loss"], accepting=state["accepting"], answered=int(state["answered"][0])
+            )
+            scales = clip_scales(norms, np.full(norms.size, clip), dtype_eps=FLOAT32_EPS).astype(np.float32)
+            clipped = rows * scales[:, None]
+            clipped_norms = np.linalg.norm(clipped.astype(np.float64), axis=1)
+            step = decide(self.realisation, rstate, mu=clipped_norms / sigma)
+            clipped[~step.participating] = 0.0
+            noise = self.rng(request.request_id).normal(0.0, sigma, rows.shape[1])
+            losses = np.where(
+                step.participating, realised_loss(contribution=clipped, noise=noise, noise_std=sigma), 0.0
+            )
+            after = advance(rstate, step, losses=losses)
+            newly = ~after.accepting & rstate.accepting
+            new_state.update(
+                loss=np.array(after.loss), accepting=np.array(after.accepting),
+                answered=np.array([after.answered], dtype=np.int64),
+            )
+            release = {
+                "kind": np.array(kind), "noise_std": np.array([sigma]),
+                "l2_norms": np.where(step.participating, clipped_norms, 0.0), "losses": losses,
+                "participating": step.participating, "accept_next": step.accept_next,
+            }
+            active_after = after.accepting
+        halt = np.array(state["halt_round"])
+        halt[newly & (halt < 0)] = request.round
+        new_state["halt_round"] = halt
+        total = clipped.sum(axis=0, dtype=np.float64)
+        if noise is not None:
+            total = total + noise
+        trust = self.config.trust
+        if trust == "central" and not active_after.any() and not np.any(clipped):
+            reply = wire.ContributionReply(request.request_id, wire.REPLY_EXHAUSTED, trust, 0.0,
+                                           np.zeros(0, dtype=np.float32))
+        else:
+            reply = wire.ContributionReply(
+                request.request_id, wire.REPLY_OK, trust, sigma if noise is not None else 0.0,
+                total.astype(np.float32),
+            )
+        return reply, new_state, release
+
+    def monitor_reply(
+        self, request: wire.MonitorRequest, state: dict[str, NDArray[Any]]
+    ) -> tuple[wire.ContributionReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
+        """The monitor's report for round t (privacy.md §7); its cost was reserved at enrolment.
+
+        ``tree`` (local): for each level i of the binary tree whose node closes at t
+        (t divisible by 2^i), the number of this client's units that halted in
+        (t - 2^i, t], plus N(0, noise_std^2); levels that do not close report 0 + noise
+        too, so the shape never varies. ``svt`` (central): the exact number of active
+        units, for the trusted coordinator's sparse vector. Each round is reported once.
+        """
+        monitor = self.config.monitor
+        if monitor.kind == "none":
+            raise PolicyError("monitor queries are not allowed: this client reserved no monitor cost at enrolment")
+        t = request.round
+        last = int(state["monitor_last"][0])
+        if t <= last:
+            raise PolicyError(f"monitor round {t} asked; rounds up to {last} were already reported (once each)")
+        new_state = dict(state)
+        new_state["monitor_last"] = np.array([t], dtype=np.int64)
+        active = (state["halt_round"] < 0) if "stopped" not in state else ~state["stopped"]
+        if monitor.kind == "svt":
+            total = np.array([float(active.sum())], dtype=np.float32)
+            reply = wire.ContributionReply(request.request_id, wire.REPLY_OK, "central", 0.0, total)
+            return reply, new_state, {"kind": np.array("monitor"), "round": np.array([t])}
+        if t > monitor.max_rounds:
+            raise PolicyError(f"monitor round {t} asked; the reserved tree covers at most {monitor.max_rounds} rounds")
+        halt = state["halt_round"]
+        counts = np.zeros(monitor.levels)
+        for level in range(monitor.levels):
+            width = 1 << level
+            if t % width == 0:
+                counts[level] = np.count_nonzero((halt > t - width) & (halt <= t))
+        noisy = counts + self.rng(request.request_id).normal(0.0, monitor.noise_std, monitor.levels)
+        reply = wire.ContributionReply(
+            request.request_id, wire.REPLY_OK, "local", monitor.noise_std, noisy.astype(np.float32)
+        )
+        return reply, new_state, {"kind": np.array("monitor"), "round": np.array([t])}

@@ -1,0 +1,97 @@
+"""The Flower ClientApp: thin wiring from Flower messages to :class:`client_agent.agent.Agent`.
+
+The agent's configuration comes from Flower's node config (deployment: ``--node-config``;
+simulation: :func:`simulation_node_config` adds it per partition). Flower's
+``Context.state`` is never used for privacy state: it is in memory and empty at every
+run; the ledger carries every spend (privacy.md §9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from client_agent.agent import Agent, Outcome, fault_point
+from client_agent.config import AgentConfigError, parse_agent_config
+from client_agent.ledger import LedgerError
+from protocol import messages as wire
+
+
+def _decode_content(msg: Message) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    content = msg.content
+    config: dict[str, Any] = dict(content[wire.CONFIG]) if wire.CONFIG in content.config_records else {}
+    arrays: dict[str, np.ndarray] = {}
+    if wire.ARRAYS in content.array_records:
+        arrays = {key: value.numpy() for key, value in content.array_records[wire.ARRAYS].items()}
+    extra = sorted(set(content.keys()) - {wire.CONFIG, wire.ARRAYS})
+    if extra:
+        raise wire.ProtocolError(f"message content: unexpected records {extra}; expected {[wire.CONFIG, wire.ARRAYS]}")
+    return config, arrays
+
+
+def encode_content(config: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> RecordDict:
+    """Flower content for a (config, arrays) pair, the layout of :mod:`protocol.messages`."""
+    return RecordDict(
+        {
+            wire.CONFIG: ConfigRecord(dict(config)),
+            wire.ARRAYS: ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()}),
+        }
+    )
+
+
+def handle_message(msg: Message, context: Context) -> Message:
+    """Answer one message through a fresh Agent over the node's ledger."""
+    try:
+        config = parse_agent_config(context.node_config)
+    except AgentConfigError as exc:
+        return Message(Error(code=wire.ERR_LEDGER, reason=f"agent configuration: {exc}"), reply_to=msg)
+    try:
+        agent = Agent(config)
+    except (LedgerError, ValueError, OSError) as exc:
+        return Message(Error(code=wire.ERR_LEDGER, reason=str(exc)), reply_to=msg)
+    try:
+        try:
+            req_config, req_arrays = _decode_content(msg)
+            outcome = agent.handle(msg.metadata.message_type, req_config, req_arrays)
+        except wire.ProtocolError as exc:
+            outcome = Outcome(error_code=wire.ERR_MALFORMED, error_reason=str(exc))
+    finally:
+        agent.close()
+    fault_point("before_send")
+    if outcome.is_error:
+        return Message(Error(code=outcome.error_code, reason=outcome.error_reason), reply_to=msg)
+    assert outcome.config is not None and outcome.arrays is not None
+    return Message(encode_content(outcome.config, outcome.arrays), reply_to=msg)
+
+
+def simulation_node_config(per_partition: Mapping[int, Mapping[str, Any]]) -> Callable[..., Message]:
+    """A ClientApp mod that adds each simulated node's agent config, keyed by Flower's partition-id."""
+
+    def mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+        pid = int(context.node_config["partition-id"])
+        context.node_config.update(dict(per_partition.get(pid, {})))
+        return call_next(msg, context)
+
+    return mod
+
+
+def register_handlers(client: ClientApp) -> ClientApp:
+    """Route the protocol's four message types to :func:`handle_message`."""
+    client.train("gradient")(handle_message)
+    client.query("indicator")(handle_message)
+    client.query("monitor")(handle_message)
+    client.query("status")(handle_message)
+    return client
+
+
+def build_client_app(mods: list[Callable[..., Message]] | None = None) -> ClientApp:
+    """A ClientApp with extra mods (simulations pass :func:`simulation_node_config`)."""
+    return register_handlers(ClientApp(mods=mods or []))
+
+
+app = ClientApp()
+register_handlers(app)

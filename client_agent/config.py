@@ -1,0 +1,264 @@
+"""The client agent's configuration: what its owner fixes once, before any request.
+
+Read from Flower's node config: either flat keys (``ledger-path``, ``data-path``,
+``epsilon``, ...) or ``agent-config`` naming a TOML file with the same keys. The
+target (epsilon, delta), filter, unit, trust mode and monitor reservation are written
+into the ledger when it is created and must match it ever after (privacy.md §9).
+The policy is what the client keeps whatever the coordinator asks.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from protocol.filters import FILTER_KINDS, GaussianFilter
+from protocol.messages import GRADIENT, INDICATOR, MESSAGE_TYPES, MONITOR, STATUS, TRUST_MODES, UNITS
+from protocol.realisation import RealisationFilter
+from protocol.validate import PrivacyParameterError, open_unit, positive, positive_int
+
+AGENT_FILTERS: tuple[str, ...] = (*FILTER_KINDS, "realisation")
+
+
+class AgentConfigError(ValueError):
+    """The agent's configuration is missing a key or has a bad value."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Limits the client keeps whatever the coordinator asks (a request outside them spends nothing)."""
+
+    min_noise_std: float = 0.0
+    min_noise_multiplier: float = 0.0  # noise_std / l2_clip
+    max_clip: float = math.inf
+    allowed_kinds: tuple[str, ...] = (GRADIENT, INDICATOR, MONITOR, STATUS)
+    allowed_trust: tuple[str, ...] = TRUST_MODES
+    max_model_params: int = 10_000_000
+    max_rounds_per_run: int = 100_000
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "min_noise_std": self.min_noise_std,
+            "min_noise_multiplier": self.min_noise_multiplier,
+            "max_clip": None if math.isinf(self.max_clip) else self.max_clip,
+            "allowed_kinds": list(self.allowed_kinds),
+            "allowed_trust": list(self.allowed_trust),
+            "max_model_params": self.max_model_params,
+            "max_rounds_per_run": self.max_rounds_per_run,
+        }
+
+
+@dataclass(frozen=True)
+class MonitorReservation:
+    """The active-set monitor's cost, reserved in every unit's filter at enrolment (privacy.md §7).
+
+    ``tree``: local trust, binary-tree counter over N rounds with node noise std
+    ``noise_std``; each unit's halt event lands in L = ceil(log2 N) + 1 nodes, so it
+    costs S_m = L / noise_std^2 of the squared budget (T <- T - S_m).
+    ``svt``: central trust, sparse vector on the exact count; epsilon_svt is split off
+    the target (the filter runs at (epsilon - epsilon_svt, delta), basic composition).
+    ``none``: no monitor; the coordinator may not run one against this client.
+    """
+
+    kind: str = "none"
+    noise_std: float = 0.0
+    max_rounds: int = 0
+    epsilon_svt: float = 0.0
+
+    @property
+    def levels(self) -> int:
+        return math.ceil(math.log2(self.max_rounds)) + 1 if self.max_rounds > 0 else 0
+
+    @property
+    def squared_cost(self) -> float:
+        return self.levels / self.noise_std**2 if self.kind == "tree" else 0.0
+
+    def describe(self) -> dict[str, object]:
+        return {"kind": self.kind, "noise_std": self.noise_std, "max_rounds": self.max_rounds,
+                "epsilon_svt": self.epsilon_svt, "levels": self.levels, "squared_cost": self.squared_cost}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything the agent needs before its first request."""
+
+    ledger_path: Path
+    data_path: Path
+    epsilon: float
+    delta: float
+    filter: str = "gdp"
+    unit: str = "record"
+    trust: str = "local"
+    rdp_order: float | None = None
+    realisation_max_rounds: int = 0
+    monitor: MonitorReservation = field(default_factory=MonitorReservation)
+    policy: Policy = field(default_factory=Policy)
+    noise_seed: int | None = None  # simulations and tests only: reproducible noise
+
+    def __post_init__(self) -> None:
+        try:
+            positive("epsilon", self.epsilon)
+            open_unit("delta", self.delta)
+        except PrivacyParameterError as exc:
+            raise AgentConfigError(str(exc)) from exc
+        for name, value, choices in (("filter", self.filter, AGENT_FILTERS), ("unit", self.unit, UNITS),
+                                     ("trust", self.trust, TRUST_MODES)):
+            if value not in choices:
+                raise AgentConfigError(f"{name}: expected one of {choices}, got {value!r}")
+        if self.filter == "realisation":
+            if self.trust != "local":
+                raise AgentConfigError("filter: 'realisation' needs trust 'local' (the unit must know its noise)")
+            if self.realisation_max_rounds < 1:
+                raise AgentConfigError(
+                    f"realisation-max-rounds: expected an integer >= 1 with filter 'realisation', "
+                    f"got {self.realisation_max_rounds}"
+                )
+            if math.isinf(self.policy.max_clip) or self.policy.min_noise_std <= 0:
+                raise AgentConfigError(
+                    "filter 'realisation' needs policy-max-clip and policy-min-noise-std (they fix the cap mu_max)"
+                )
+            if self.monitor.kind != "none":
+                raise AgentConfigError("monitor: the realisation filter does not reserve a monitor yet; use 'none'")
+        if self.monitor.kind == "tree" and self.trust != "local":
+            raise AgentConfigError("monitor: 'tree' is the local-trust monitor; central trust uses 'svt'")
+        if self.monitor.kind == "svt" and self.trust != "central":
+            raise AgentConfigError("monitor: 'svt' is the central-trust monitor; local trust uses 'tree'")
+        if self.monitor.kind == "svt" and not 0 < self.monitor.epsilon_svt < self.epsilon:
+            raise AgentConfigError(
+                f"monitor-epsilon: expected 0 < epsilon_svt < epsilon = {self.epsilon}, got {self.monitor.epsilon_svt}"
+            )
+
+    def gaussian_filter(self) -> GaussianFilter:
+        """The unit filter with the monitor's cost reserved (privacy.md §7)."""
+        epsilon = self.epsilon - (self.monitor.epsilon_svt if self.monitor.kind == "svt" else 0.0)
+        options: dict[str, Any] = {}
+        if self.filter == "renyi" and self.rdp_order is not None:
+            options["order"] = self.rdp_order
+        if self.filter == "renyi_multi":
+            options["orders"] = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+        filt = GaussianFilter.create(self.filter, epsilon=epsilon, delta=self.delta, **options)
+        if self.monitor.kind == "tree":
+            filt = filt.reserve(squared_budget=self.monitor.squared_cost)
+        return filt
+
+    def realisation_filter(self) -> RealisationFilter:
+        """TVC's filter with the cap mu_max = max_clip / min_noise_std fixed by the policy."""
+        return RealisationFilter.create(
+            epsilon=self.epsilon,
+            delta=self.delta,
+            max_rounds=self.realisation_max_rounds,
+            mu_max=self.policy.max_clip / self.policy.min_noise_std,
+        )
+
+
+# --- parsing -------------------------------------------------------------------------------
+
+_KEYS = {
+    "ledger-path", "data-path", "epsilon", "delta", "filter", "unit", "trust", "rdp-order",
+    "realisation-max-rounds", "monitor", "monitor-noise-std", "monitor-max-rounds", "monitor-epsilon",
+    "policy-min-noise-std", "policy-min-noise-multiplier", "policy-max-clip", "policy-allowed-kinds",
+    "policy-allowed-trust", "policy-max-model-params", "policy-max-rounds-per-run", "noise-seed",
+}
+# Keys Flower itself puts into a simulated node's config.
+_FLOWER_KEYS = {"partition-id", "num-partitions"}
+
+
+def _get(raw: Mapping[str, Any], key: str, kind: type, default: Any = None) -> Any:
+    if key not in raw:
+        if default is None:
+            raise AgentConfigError(f"agent config: missing key {key!r}")
+        return default
+    value = raw[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise AgentConfigError(f"agent config: {key!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _names(raw: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> tuple[str, ...]:
+    if key not in raw:
+        return choices
+    value = raw[key]
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out = tuple(str(v).strip() for v in items if str(v).strip())
+    for item in out:
+        if item not in choices:
+            raise AgentConfigError(f"agent config: {key!r} entries must be among {choices}, got {item!r}")
+    return out
+
+
+def parse_agent_config(node_config: Mapping[str, Any]) -> AgentConfig:
+    """Build the agent's configuration from Flower's node config (flat keys or ``agent-config`` = TOML path)."""
+    raw: dict[str, Any] = dict(node_config)
+    if "agent-config" in raw:
+        path = Path(str(raw.pop("agent-config")))
+        try:
+            loaded = tomllib.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise AgentConfigError(f"agent-config: no file at {path}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise AgentConfigError(f"agent-config: {path} is not valid TOML: {exc}") from exc
+        raw = {**loaded, **raw}
+    unknown = sorted(set(raw) - _KEYS - _FLOWER_KEYS)
+    if unknown:
+        raise AgentConfigError(f"agent config: unknown keys {unknown}; expected keys among {sorted(_KEYS)}")
+    inf = math.inf
+    policy = Policy(
+        min_noise_std=_get(raw, "policy-min-noise-std", float, 0.0),
+        min_noise_multiplier=_get(raw, "policy-min-noise-multiplier", float, 0.0),
+        max_clip=_get(raw, "policy-max-clip", float, inf),
+        allowed_kinds=_names(raw, "policy-allowed-kinds", MESSAGE_TYPES),
+        allowed_trust=_names(raw, "policy-allowed-trust", TRUST_MODES),
+        max_model_params=_get(raw, "policy-max-model-params", int, 10_000_000),
+        max_rounds_per_run=_get(raw, "policy-max-rounds-per-run", int, 100_000),
+    )
+    monitor_kind = _get(raw, "monitor", str, "none")
+    if monitor_kind not in ("none", "tree", "svt"):
+        raise AgentConfigError(f"monitor: expected 'none', 'tree' or 'svt', got {monitor_kind!r}")
+    monitor = MonitorReservation(kind=monitor_kind)
+    if monitor_kind == "tree":
+        monitor = MonitorReservation(
+            kind="tree",
+            noise_std=_positive_cfg(raw, "monitor-noise-std"),
+            max_rounds=_positive_int_cfg(raw, "monitor-max-rounds"),
+        )
+    elif monitor_kind == "svt":
+        monitor = MonitorReservation(kind="svt", epsilon_svt=_positive_cfg(raw, "monitor-epsilon"))
+    seed = raw.get("noise-seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise AgentConfigError(f"agent config: 'noise-seed' must be an integer, got {seed!r}")
+    return AgentConfig(
+        ledger_path=Path(_get(raw, "ledger-path", str)),
+        data_path=Path(_get(raw, "data-path", str)),
+        epsilon=_get(raw, "epsilon", float),
+        delta=_get(raw, "delta", float),
+        filter=_get(raw, "filter", str, "gdp"),
+        unit=_get(raw, "unit", str, "record"),
+        trust=_get(raw, "trust", str, "local"),
+        rdp_order=raw.get("rdp-order"),
+        realisation_max_rounds=_get(raw, "realisation-max-rounds", int, 0),
+        monitor=monitor,
+        policy=policy,
+        noise_seed=seed,
+    )
+
+
+def _positive_cfg(raw: Mapping[str, Any], key: str) -> float:
+    try:
+        return positive(key, _get(raw, key, float))
+    except PrivacyParameterError as exc:
+        raise AgentConfigError(str(exc)) from exc
+
+
+def _positive_int_cfg(raw: Mapping[str, Any], key: str) -> int:
+    try:
+        return positive_int(key, _get(raw, key, int))
+    except PrivacyParameterError as exc:
+        raise AgentConfigError(str(exc)) from exc

@@ -1,0 +1,602 @@
+"""The client's durable privacy ledger: one SQLite file per client (privacy.md §9).
+
+This is the only client code that touches disk. It holds the ledger's fixed
+configuration (filter, budgets, unit, trust mode), the filter state (named numpy
+arrays stored as one checksummed blob) and every request answered (its digest,
+what was released and charged, and the exact reply bytes).
+
+Privacy notes:
+- Charge before release: :meth:`Ledger.commit` stores the request, the release and
+  the new filter state in one transaction and returns only once it is durable
+  (``journal_mode=WAL``, ``synchronous=FULL``); the caller sends the reply after.
+  A crash between commit and send can only over-count.
+- Idempotent rounds: :meth:`Ledger.lookup` returns the stored reply for a request id
+  already answered, so a repeat gets no new noise and no new charge.
+- Never reset: an existing ledger is never recreated, repaired or overwritten, even
+  when it is corrupt; opening it raises :class:`LedgerError` instead. Budgets, unit
+  and trust mode are fixed when the ledger is created.
+- A new ledger file appears atomically: it is built beside its final name and then
+  hard-linked into place, so a ledger path is either absent or complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import math
+import numbers
+import os
+import re
+import secrets
+import sqlite3
+import types
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final, Self
+
+import numpy as np
+
+SCHEMA_VERSION: Final = 1
+"""Version of the ledger's table layout; any change to it is privacy-affecting (CHANGELOG)."""
+
+APPLICATION_ID: Final = 0x46464C47  # "FFLG": marks an SQLite file as a fedfilter ledger
+BUSY_TIMEOUT_MS: Final = 10_000
+UNITS: Final = ("client", "record")
+TRUST_MODES: Final = ("local", "central")
+
+_SQLITE_MAGIC: Final = b"SQLite format 3\x00"
+_SQLITE_HEADER_BYTES: Final = 100
+_ARRAY_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_HEX_SHA256: Final = re.compile(r"[0-9a-f]{64}\Z")
+_ARRAY_KINDS: Final = "biufcUS"  # bool, int, uint, float, complex, str, bytes: never objects
+_CONFIG_FIELDS: Final = ("filter", "epsilon", "delta", "unit", "trust", "n_units", "params")
+_FIXED_BECAUSE: Final = {
+    "epsilon": "budgets are fixed when a ledger is created and are never changed",
+    "delta": "budgets are fixed when a ledger is created and are never changed",
+}
+_FIXED_DEFAULT: Final = (
+    "the filter, unit, trust mode and parameters are fixed when a ledger is created and are never changed"
+)
+
+_SCHEMA: Final = (
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT",
+    "CREATE TABLE state (id INTEGER PRIMARY KEY CHECK (id = 1), sha256 TEXT NOT NULL, blob BLOB NOT NULL) STRICT",
+    "CREATE TABLE requests ("
+    " request_id TEXT PRIMARY KEY, seq INTEGER NOT NULL UNIQUE, message_type TEXT NOT NULL, run_id TEXT NOT NULL,"
+    " digest TEXT NOT NULL, created_at TEXT NOT NULL, release BLOB NOT NULL, reply BLOB NOT NULL) STRICT",
+    "CREATE INDEX requests_by_run ON requests (run_id)",
+)
+
+Arrays = dict[str, np.ndarray]
+
+
+class LedgerError(RuntimeError):
+    """A ledger cannot be used as asked; the message names what was expected and what was found."""
+
+
+def _corrupt(path: Path, detail: object) -> LedgerError:
+    """The one error for a ledger file that cannot be trusted: it is never reset."""
+    return LedgerError(
+        f"ledger {path} is corrupt or not a fedfilter ledger: {detail}; refusing to answer; "
+        "it is never reset; restore it from a backup or investigate"
+    )
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerConfig:
+    """What a ledger is fixed to when it is created: filter, budgets, privacy unit and trust mode.
+
+    Privacy note: a stored ledger's configuration is never changed; opening it with a different
+    one is an error (privacy.md §9). ``params`` holds JSON-able filter details (threshold, reserved
+    monitor cost, orders, realisation parameters, data fingerprint...) and is kept as an immutable
+    canonical copy. Invalid values raise ``ValueError`` naming the parameter and the value received.
+    """
+
+    filter: str
+    epsilon: float
+    delta: float
+    unit: str
+    trust: str
+    n_units: int
+    params: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.filter, str) or not self.filter:
+            raise ValueError(f"LedgerConfig.filter: expected a non-empty str, found {self.filter!r}")
+        object.__setattr__(self, "epsilon", _positive_finite("epsilon", self.epsilon))
+        delta = _real("delta", self.delta)
+        if not 0.0 < delta < 1.0:
+            raise ValueError(f"LedgerConfig.delta: expected 0 < delta < 1, found {self.delta!r}")
+        object.__setattr__(self, "delta", delta)
+        if self.unit not in UNITS:
+            raise ValueError(f"LedgerConfig.unit: expected one of {UNITS}, found {self.unit!r}")
+        if self.trust not in TRUST_MODES:
+            raise ValueError(f"LedgerConfig.trust: expected one of {TRUST_MODES}, found {self.trust!r}")
+        if isinstance(self.n_units, bool) or not isinstance(self.n_units, numbers.Integral) or self.n_units < 1:
+            raise ValueError(f"LedgerConfig.n_units: expected an int >= 1, found {self.n_units!r}")
+        object.__setattr__(self, "n_units", int(self.n_units))
+        if not isinstance(self.params, Mapping) or not all(isinstance(k, str) for k in self.params):
+            raise ValueError(f"LedgerConfig.params: expected a mapping with str keys, found {self.params!r}")
+        try:
+            canonical = json.dumps(dict(self.params), sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"LedgerConfig.params: expected JSON-able finite values, found {self.params!r}: {exc}"
+            ) from exc
+        object.__setattr__(self, "params", types.MappingProxyType(json.loads(canonical)))
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys, no spaces): equal configurations give equal strings."""
+        fields = {name: getattr(self, name) for name in _CONFIG_FIELDS}
+        fields["params"] = dict(self.params)
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> LedgerConfig:
+        """Parse :meth:`to_json` output; unknown or missing fields raise ``ValueError``."""
+        data = json.loads(text)
+        if not isinstance(data, dict) or set(data) != set(_CONFIG_FIELDS):
+            found = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"LedgerConfig JSON: expected fields {sorted(_CONFIG_FIELDS)}, found {found}")
+        return cls(**data)
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"LedgerConfig.{name}: expected a real number, found {value!r}")
+    return float(value)
+
+
+def _positive_finite(name: str, value: object) -> float:
+    number = _real(name, value)
+    if not (math.isfinite(number) and number > 0.0):
+        raise ValueError(f"LedgerConfig.{name}: expected a finite number > 0, found {value!r}")
+    return number
+
+
+def _config_mismatch(path: Path, stored: LedgerConfig, given: LedgerConfig) -> LedgerError | None:
+    """The first field where ``given`` differs from the ``stored`` configuration, as an error."""
+    for name in _CONFIG_FIELDS:
+        old, new = getattr(stored, name), getattr(given, name)
+        if name == "params":
+            keys = sorted(set(old) | set(new))
+            diff = next((k for k in keys if k not in old or k not in new or old[k] != new[k]), None)
+            if diff is None:
+                continue
+            name = f"params[{diff!r}]"
+            old, new = old.get(diff, "<absent>"), new.get(diff, "<absent>")
+        elif old == new:
+            continue
+        return LedgerError(
+            f"ledger {path} was created with {name}={old!r}; the agent's configuration says {name}={new!r}: "
+            f"{_FIXED_BECAUSE.get(name, _FIXED_DEFAULT)}"
+        )
+    return None
+
+
+# --------------------------------------------------------------------------- array blobs
+
+
+def _checked_arrays(what: str, arrays: Mapping[str, Any]) -> Arrays:
+    """Named arrays as numpy arrays, refusing names or dtypes that cannot round-trip without pickle."""
+    if not isinstance(arrays, Mapping) or not arrays:
+        raise LedgerError(f"{what}: expected a non-empty mapping of name -> array, found {arrays!r}")
+    checked: Arrays = {}
+    for name, value in arrays.items():
+        if not isinstance(name, str) or not _ARRAY_NAME.match(name):
+            raise LedgerError(f"{what}: expected array names matching {_ARRAY_NAME.pattern}, found {name!r}")
+        array = np.asarray(value)
+        if array.dtype.kind not in _ARRAY_KINDS:
+            raise LedgerError(f"{what}[{name!r}]: expected a bool/int/float/complex/str array, found {array.dtype}")
+        checked[name] = array
+    return checked
+
+
+def _encode(arrays: Arrays) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, allow_pickle=False, **arrays)
+    return buffer.getvalue()
+
+
+def _decode(blob: bytes) -> Arrays:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
+        return {name: npz[name] for name in npz.files}
+
+
+def _layout(arrays: Arrays) -> dict[str, dict[str, object]]:
+    return {name: {"shape": list(a.shape), "dtype": a.dtype.str} for name, a in sorted(arrays.items())}
+
+
+def _describe(entry: Mapping[str, Any] | None) -> str:
+    if entry is None:
+        return "no such array"
+    dtype = np.dtype(entry["dtype"])
+    return f"shape {tuple(entry['shape'])} dtype {dtype.name if dtype.isnative else dtype.str}"
+
+
+def _layout_mismatch(expected: Mapping[str, Any], found: Mapping[str, Any]) -> str | None:
+    """Where two state layouts differ, as 'array X: expected ..., found ...', or None."""
+    for name in sorted(set(expected) | set(found)):
+        if expected.get(name) != found.get(name):
+            return f"array {name!r}: expected {_describe(expected.get(name))}, found {_describe(found.get(name))}"
+    return None
+
+
+def _sha256(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()
+
+
+# --------------------------------------------------------------------------- the ledger
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredRequest:
+    """A request already answered: its digest, what was released and charged, and the exact reply."""
+
+    request_id: str
+    message_type: str
+    run_id: str
+    digest: str
+    created_at: str
+    reply: bytes
+    release: Arrays
+
+
+class Ledger:
+    """One client's durable privacy ledger; open it with :meth:`open` or :meth:`open_existing`.
+
+    Privacy note: charge before release (:meth:`commit` is durable before it returns) and never
+    reset (an existing file is only ever read, checked and appended to).
+    """
+
+    def __init__(self, path: Path, conn: sqlite3.Connection, config: LedgerConfig, layout: dict[str, Any]) -> None:
+        self._path = path
+        self._conn: sqlite3.Connection | None = conn
+        self._config = config
+        self._layout = layout
+        self._state_sha = ""
+
+    # ----- opening
+
+    @classmethod
+    def open(
+        cls, path: str | os.PathLike[str], config: LedgerConfig, *, initial_state: Mapping[str, Any] | None = None
+    ) -> Self:
+        """Open the ledger at ``path``, creating it (with ``initial_state``) if it does not exist.
+
+        Privacy note: an existing ledger must match ``config`` field by field and, when given, the
+        layout of ``initial_state``; it is never recreated or reset, even when it is corrupt.
+        """
+        ledger_path = Path(path)
+        if not isinstance(config, LedgerConfig):
+            raise LedgerError(f"ledger {ledger_path}: expected a LedgerConfig, found {type(config).__name__}")
+        state = (
+            None if initial_state is None else _checked_arrays(f"ledger {ledger_path}: initial_state", initial_state)
+        )
+        if not ledger_path.exists():
+            if state is None:
+                raise LedgerError(f"ledger {ledger_path}: expected an initial_state to create a new ledger, found None")
+            _create(ledger_path, config, state)
+        ledger = cls._open_checked(ledger_path)
+        try:
+            mismatch = _config_mismatch(ledger_path, ledger._config, config)
+            if mismatch is not None:
+                raise mismatch
+            if state is not None and (diff := _layout_mismatch(ledger._layout, _layout(state))) is not None:
+                raise LedgerError(
+                    f"ledger {ledger_path} holds a different state from the agent's initial_state: {diff}"
+                )
+        except BaseException:
+            ledger.close()
+            raise
+        return ledger
+
+    @classmethod
+    def open_existing(cls, path: str | os.PathLike[str]) -> Self:
+        """Open an existing ledger without a configuration to compare (for ``ledger show`` / ``verify``)."""
+        ledger_path = Path(path)
+        if not ledger_path.exists():
+            raise LedgerError(f"ledger {ledger_path}: expected an existing ledger file, found nothing at that path")
+        return cls._open_checked(ledger_path)
+
+    @classmethod
+    def _open_checked(cls, path: Path) -> Self:
+        """Connect read-mostly and check header, integrity, schema version, config and state checksum."""
+        _check_header(path)
+        try:
+            conn = sqlite3.connect(
+                path.absolute().as_uri() + "?mode=rw", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000
+            )
+        except sqlite3.Error as exc:
+            raise _corrupt(path, exc) from exc
+        try:
+            config, layout = _check_contents(path, conn)
+            _set_durable_pragmas(path, conn)
+            ledger = cls(path, conn, config, layout)
+            ledger.state()  # verifies the checksum and layout, and records the state this handle has seen
+        except BaseException:
+            conn.close()
+            raise
+        return ledger
+
+    # ----- reading
+
+    @property
+    def path(self) -> Path:
+        """Where the ledger file lives."""
+        return self._path
+
+    @property
+    def config(self) -> LedgerConfig:
+        """The configuration fixed when the ledger was created."""
+        return self._config
+
+    def state(self) -> Arrays:
+        """The current filter state, after checking its sha256; a mismatch raises :class:`LedgerError`."""
+        row = self._query_one("SELECT sha256, blob FROM state WHERE id = 1")
+        if row is None:
+            raise _corrupt(self._path, "expected one state row, found none")
+        stored_sha, blob = row
+        found_sha = _sha256(blob)
+        if found_sha != stored_sha:
+            raise _corrupt(self._path, f"state checksum: expected sha256 {stored_sha}, found {found_sha}")
+        try:
+            arrays = _decode(blob)
+        except (ValueError, OSError, EOFError) as exc:
+            raise _corrupt(self._path, f"state blob does not decode: {exc}") from exc
+        if (diff := _layout_mismatch(self._layout, _layout(arrays))) is not None:
+            raise _corrupt(self._path, f"stored state {diff}")
+        self._state_sha = stored_sha
+        return arrays
+
+    def lookup(self, request_id: str) -> StoredRequest | None:
+        """The stored answer to ``request_id``, or None if it was never answered (idempotent rounds)."""
+        row = self._query_one(
+            "SELECT message_type, run_id, digest, created_at, reply, release FROM requests WHERE request_id = ?",
+            (request_id,),
+        )
+        if row is None:
+            return None
+        message_type, run_id, digest, created_at, reply, release = row
+        return StoredRequest(
+            request_id,
+            message_type,
+            run_id,
+            digest,
+            created_at,
+            bytes(reply),
+            self._decode_release(request_id, release),
+        )
+
+    def requests_answered(self) -> int:
+        """How many requests this ledger has answered, over all runs."""
+        return int(self._query_one("SELECT COUNT(*) FROM requests")[0])
+
+    def requests_in_run(self, run_id: str) -> int:
+        """How many requests this ledger has answered in run ``run_id``."""
+        return int(self._query_one("SELECT COUNT(*) FROM requests WHERE run_id = ?", (run_id,))[0])
+
+    def releases(self) -> Iterator[tuple[str, str, Arrays]]:
+        """``(request_id, message_type, release)`` in commit order, for replay and verification."""
+        conn = self._connection()
+        try:
+            cursor = conn.execute("SELECT request_id, message_type, release FROM requests ORDER BY seq")
+            for request_id, message_type, release in cursor:
+                yield request_id, message_type, self._decode_release(request_id, release)
+        except sqlite3.Error as exc:
+            raise _corrupt(self._path, exc) from exc
+
+    # ----- writing
+
+    def commit(
+        self,
+        *,
+        request_id: str,
+        message_type: str,
+        run_id: str,
+        digest: str,
+        release: Mapping[str, Any],
+        new_state: Mapping[str, Any],
+        reply: bytes,
+    ) -> None:
+        """Store a request, what it released and charged, and the new state, in one durable transaction.
+
+        Privacy note: charge before release. This returns only once the transaction is committed
+        with ``synchronous=FULL``; send ``reply`` after it returns. On any failure the transaction
+        is rolled back: neither the request nor the state changes. A request id already answered,
+        a state whose array names, shapes or dtypes differ from the stored one, or a stored state
+        changed by another process since this handle last read it, raise :class:`LedgerError`.
+        """
+        where = f"ledger {self._path}: commit of request {request_id!r}"
+        for name, value in (("request_id", request_id), ("message_type", message_type), ("run_id", run_id)):
+            if not isinstance(value, str) or not value:
+                raise LedgerError(f"{where}: expected {name} to be a non-empty str, found {value!r}")
+        if not isinstance(digest, str) or not _HEX_SHA256.match(digest):
+            raise LedgerError(f"{where}: expected digest to be 64 lowercase hex digits (sha256), found {digest!r}")
+        if not isinstance(reply, bytes | bytearray | memoryview):
+            raise LedgerError(f"{where}: expected reply to be bytes, found {type(reply).__name__}")
+        state = _checked_arrays(f"{where}: new_state", new_state)
+        if (diff := _layout_mismatch(self._layout, _layout(state))) is not None:
+            raise LedgerError(f"{where}: new_state {diff}; the state's layout is fixed when the ledger is created")
+        release_blob = _encode(_checked_arrays(f"{where}: release", release))
+        state_blob = _encode(state)
+        state_sha = _sha256(state_blob)
+        created_at = datetime.now(UTC).isoformat(timespec="microseconds")
+
+        conn = self._connection()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise LedgerError(f"{where}: expected to take the write lock, found: {exc}; nothing was stored") from exc
+        try:
+            if conn.execute("SELECT 1 FROM requests WHERE request_id = ?", (request_id,)).fetchone() is not None:
+                raise LedgerError(f"{where}: expected a new request id, found it already answered; nothing was stored")
+            (stored_sha,) = conn.execute("SELECT sha256 FROM state WHERE id = 1").fetchone()
+            if stored_sha != self._state_sha:
+                raise LedgerError(
+                    f"{where}: expected the stored state to be the one this handle last read (sha256 "
+                    f"{self._state_sha}), found sha256 {stored_sha}: another process committed; read state() "
+                    "again and recompute; nothing was stored"
+                )
+            conn.execute(
+                "INSERT INTO requests (request_id, seq, message_type, run_id, digest, created_at, release, reply) "
+                "VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM requests), ?, ?, ?, ?, ?, ?)",
+                (request_id, message_type, run_id, digest, created_at, release_blob, bytes(reply)),
+            )
+            conn.execute("UPDATE state SET sha256 = ?, blob = ? WHERE id = 1", (state_sha, state_blob))
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise LedgerError(f"{where}: expected to commit, found: {exc}; rolled back, nothing stored") from exc
+            raise
+        self._state_sha = state_sha
+
+    # ----- lifecycle
+
+    def close(self) -> None:
+        """Close the connection; closing twice is harmless."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ----- helpers
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise LedgerError(f"ledger {self._path}: expected an open ledger, found it closed")
+        return self._conn
+
+    def _query_one(self, sql: str, args: tuple[object, ...] = ()) -> Any:
+        try:
+            return self._connection().execute(sql, args).fetchone()
+        except sqlite3.Error as exc:
+            raise _corrupt(self._path, exc) from exc
+
+    def _decode_release(self, request_id: str, blob: bytes) -> Arrays:
+        try:
+            return _decode(blob)
+        except (ValueError, OSError, EOFError) as exc:
+            raise _corrupt(self._path, f"release of request {request_id!r} does not decode: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- file-level checks
+
+
+def _check_header(path: Path) -> None:
+    """Refuse anything that is not an SQLite file before SQLite sees it (an empty file would be 'a new database')."""
+    try:
+        with path.open("rb") as handle:
+            header = handle.read(_SQLITE_HEADER_BYTES)
+    except OSError as exc:
+        raise _corrupt(path, exc) from exc
+    if not header:
+        raise _corrupt(path, "expected an SQLite database, found an empty (0-byte) file")
+    if len(header) < _SQLITE_HEADER_BYTES or not header.startswith(_SQLITE_MAGIC):
+        raise _corrupt(path, f"expected an SQLite database header, found {header[:16]!r}")
+
+
+def _set_durable_pragmas(path: Path, conn: sqlite3.Connection) -> None:
+    """WAL journal and synchronous=FULL, verified: a commit is on disk when it returns."""
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        (mode,) = conn.execute("PRAGMA journal_mode = WAL").fetchone()
+        conn.execute("PRAGMA synchronous = FULL")
+        (synchronous,) = conn.execute("PRAGMA synchronous").fetchone()
+    except sqlite3.Error as exc:
+        raise _corrupt(path, exc) from exc
+    if str(mode).lower() != "wal":
+        raise LedgerError(f"ledger {path}: expected journal_mode wal, found {mode!r}")
+    if synchronous != 2:
+        raise LedgerError(f"ledger {path}: expected synchronous FULL (2), found {synchronous!r}")
+
+
+def _check_contents(path: Path, conn: sqlite3.Connection) -> tuple[LedgerConfig, dict[str, Any]]:
+    """Integrity, application id, schema version and stored configuration; reads only."""
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        problems = [row[0] for row in conn.execute("PRAGMA integrity_check")]
+        if problems != ["ok"]:
+            raise _corrupt(path, "integrity_check: " + "; ".join(problems[:5]).replace("\n", " "))
+        (app_id,) = conn.execute("PRAGMA application_id").fetchone()
+        if app_id != APPLICATION_ID:
+            raise _corrupt(path, f"expected SQLite application_id {APPLICATION_ID:#x}, found {app_id:#x}")
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    except sqlite3.Error as exc:
+        raise _corrupt(path, exc) from exc
+    version = meta.get("schema_version")
+    if version != str(SCHEMA_VERSION):
+        raise LedgerError(f"ledger {path}: expected schema version {SCHEMA_VERSION}, found {version}")
+    try:
+        config = LedgerConfig.from_json(meta["config"])
+        layout = json.loads(meta["state_layout"])
+    except (KeyError, ValueError) as exc:
+        raise _corrupt(path, f"stored configuration is unreadable: {exc!r}") from exc
+    return config, layout
+
+
+def _create(path: Path, config: LedgerConfig, state: Arrays) -> None:
+    """Build a complete ledger beside ``path`` and hard-link it into place; never replaces an existing file.
+
+    If another process creates ``path`` first, its ledger wins and this one is discarded; the caller
+    then opens and checks the winner like any existing ledger.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.creating-{os.getpid()}-{secrets.token_hex(4)}")
+    state_blob = _encode(state)
+    meta = {
+        "schema_version": str(SCHEMA_VERSION),
+        "config": config.to_json(),
+        "state_layout": json.dumps(_layout(state), sort_keys=True),
+        "created_at": datetime.now(UTC).isoformat(timespec="microseconds"),
+    }
+    try:
+        conn = sqlite3.connect(tmp, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+        try:
+            _set_durable_pragmas(tmp, conn)
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", sorted(meta.items()))
+            conn.execute("INSERT INTO state (id, sha256, blob) VALUES (1, ?, ?)", (_sha256(state_blob), state_blob))
+            conn.execute("COMMIT")
+            (busy, _, _) = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            if busy:
+                raise LedgerError(f"ledger {tmp}: expected the new ledger to checkpoint, found it busy")
+        finally:
+            conn.close()
+        _fsync(tmp)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return  # another process created it first; it is checked on open like any existing ledger
+        _fsync(path.parent)
+    except sqlite3.Error as exc:
+        raise LedgerError(f"ledger {path}: expected to create a new ledger, found: {exc}") from exc
+    finally:
+        for leftover in (tmp, tmp.with_name(tmp.name + "-wal"), tmp.with_name(tmp.name + "-shm")):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

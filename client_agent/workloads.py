@@ -1,0 +1,65 @@
+"""Each unit's unclipped contribution to a request, one float32 row per unit.
+
+- gradient (``record`` units): the per-record loss gradient at the broadcast parameters,
+  by ``torch.func`` (vmap over grad); (``client`` units): the gradient of the client's
+  mean loss, one row.
+- indicator (``record`` units): each record's 0/1 predicate value; (``client`` units):
+  the client's count of records for which it holds, one row of length 1.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from client_agent.gradients import per_example_gradients, summed_gradient
+from protocol import messages as wire
+from protocol.models import build_model, load_flat_parameters, parameter_count
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+
+
+def gradient_rows(request: wire.GradientRequest, x: NDArray[Any], y: NDArray[Any], *, unit: str) -> NDArray[np.float32]:
+    """Per-unit gradients of the cross-entropy loss at the request's parameters."""
+    try:
+        model = build_model(request.model, **json.loads(request.model_args))
+    except (ValueError, TypeError) as exc:
+        raise wire.ProtocolError(f"{wire.GRADIENT}: model {request.model!r} with {request.model_args}: {exc}") from exc
+    expected = parameter_count(model)
+    if request.parameters.size != expected:
+        raise wire.ProtocolError(
+            f"{wire.GRADIENT}: 'parameters' must hold {expected} values for model {request.model!r}, "
+            f"got {request.parameters.size}"
+        )
+    load_flat_parameters(model, request.parameters)
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    yt = torch.from_numpy(np.ascontiguousarray(y).astype(np.int64))
+    if unit == "record":
+        return per_example_gradients(model, _cross_entropy, xt, yt).numpy()
+    mean = summed_gradient(model, _cross_entropy, xt, yt) / len(xt)
+    return mean.reshape(1, -1).numpy().astype(np.float32)
+
+
+def indicator_rows(request: wire.IndicatorRequest, x: NDArray[Any], y: NDArray[Any], *, unit: str) -> NDArray[np.float32]:
+    """Per-unit indicator of the request's predicate (closed table :data:`protocol.messages.PREDICATES`)."""
+    flat = x.reshape(len(x), -1)
+    if request.predicate in ("column", "threshold") and request.column >= flat.shape[1]:
+        raise wire.ProtocolError(
+            f"{wire.INDICATOR}: 'column' must be < {flat.shape[1]} (the client's feature count), got {request.column}"
+        )
+    if request.predicate == "column":
+        hits = flat[:, request.column] != 0
+    elif request.predicate == "threshold":
+        hits = flat[:, request.column] > request.value
+    else:
+        hits = np.asarray(y) == request.value
+    values = hits.astype(np.float32).reshape(-1, 1)
+    if unit == "record":
+        return values
+    return values.sum(axis=0, keepdims=True)

@@ -1,0 +1,348 @@
+"""The wire contract between coordinator and client agents: kinds, keys, requests, replies.
+
+Both sides import these constants and codecs; nothing else names a wire key. Decoding
+goes through closed tables: a message type, a key, a trust mode or a predicate that
+is not in its table is an error naming what was expected and what was found. A key
+that is not part of a request kind is refused, so a request cannot smuggle in a new
+budget (budgets live in the client's ledger and are never changed by a request,
+privacy.md §9).
+
+Content layout of a Flower message (both directions):
+  RecordDict{ CONFIG: ConfigRecord(scalar fields), ARRAYS: ArrayRecord(named numpy arrays) }
+This module works on the plain ``dict`` form of those two records; the Flower
+conversion lives in the apps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+CONFIG = "config"
+ARRAYS = "arrays"
+
+GRADIENT = "train.gradient"
+INDICATOR = "query.indicator"
+MONITOR = "query.monitor"
+STATUS = "query.status"
+MESSAGE_TYPES: tuple[str, ...] = (GRADIENT, INDICATOR, MONITOR, STATUS)
+
+TRUST_MODES: tuple[str, ...] = ("local", "central")
+UNITS: tuple[str, ...] = ("client", "record")
+
+# Predicates an indicator query may name, evaluated on the client's records:
+#   column     indicator = X[:, column] != 0            (sparse counting queries, FZ Thm 1.2)
+#   label      indicator = y == value
+#   threshold  indicator = X[:, column] > value
+PREDICATES: tuple[str, ...] = ("column", "label", "threshold")
+
+# Error codes of typed Error replies (Flower ``Error(code, reason)``).
+ERR_MALFORMED = 4001  # the request does not decode
+ERR_POLICY = 4003  # the request breaks the client's policy
+ERR_REPLAY = 4009  # a request id reused with other content
+ERR_LEDGER = 4010  # the ledger is corrupt, missing or mismatched: the client refuses to answer
+ERR_INTERNAL = 4050  # anything else; nothing was charged or sent
+
+
+class ProtocolError(ValueError):
+    """A message that does not decode: unknown type, missing or unexpected key, bad value or shape."""
+
+
+# --- field validation ---------------------------------------------------------------
+
+
+def _require(config: Mapping[str, Any], key: str, kind: str) -> Any:
+    if key not in config:
+        raise ProtocolError(f"{kind}: missing key {key!r}")
+    return config[key]
+
+
+def _str(config: Mapping[str, Any], key: str, kind: str, *, choices: tuple[str, ...] | None = None) -> str:
+    value = _require(config, key, kind)
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(f"{kind}: {key!r} must be a non-empty string, got {value!r}")
+    if len(value) > 256:
+        raise ProtocolError(f"{kind}: {key!r} must be at most 256 characters, got {len(value)}")
+    if choices is not None and value not in choices:
+        raise ProtocolError(f"{kind}: {key!r} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _int(config: Mapping[str, Any], key: str, kind: str, *, minimum: int = 0) -> int:
+    value = _require(config, key, kind)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{kind}: {key!r} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ProtocolError(f"{kind}: {key!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def _positive(config: Mapping[str, Any], key: str, kind: str) -> float:
+    value = _require(config, key, kind)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"{kind}: {key!r} must be a number, got {value!r} ({type(value).__name__})")
+    out = float(value)
+    if not math.isfinite(out) or out <= 0:
+        raise ProtocolError(f"{kind}: {key!r} must be a finite number > 0, got {value!r}")
+    return out
+
+
+def _real(config: Mapping[str, Any], key: str, kind: str) -> float:
+    value = _require(config, key, kind)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise ProtocolError(f"{kind}: {key!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _no_extra(config: Mapping[str, Any], arrays: Mapping[str, Any], kind: str, keys: set[str], array_keys: set[str]) -> None:
+    for key in config:
+        if key not in keys:
+            hint = ""
+            if key in {"epsilon", "delta", "budget", "mu_budget", "rho_budget", "threshold", "spent", "reset"}:
+                hint = ": budgets are fixed in the client's ledger and are never changed by a request"
+            raise ProtocolError(f"{kind}: unexpected key {key!r}; expected only {sorted(keys)}{hint}")
+    for key in arrays:
+        if key not in array_keys:
+            raise ProtocolError(f"{kind}: unexpected array {key!r}; expected only {sorted(array_keys)}")
+
+
+def _flat_finite(arrays: Mapping[str, Any], key: str, kind: str, *, max_size: int) -> NDArray[np.float32]:
+    if key not in arrays:
+        raise ProtocolError(f"{kind}: missing array {key!r}")
+    arr = arrays[key]
+    if not isinstance(arr, np.ndarray):
+        raise ProtocolError(f"{kind}: array {key!r} must be a numpy array, got {type(arr).__name__}")
+    if arr.dtype != np.float32:
+        raise ProtocolError(f"{kind}: array {key!r} must have dtype float32, got {arr.dtype}")
+    if arr.ndim != 1:
+        raise ProtocolError(f"{kind}: array {key!r} must be 1-dimensional, got shape {arr.shape}")
+    if arr.size > max_size:
+        raise ProtocolError(f"{kind}: array {key!r} has {arr.size} values, more than the wire limit {max_size}")
+    if not np.all(np.isfinite(arr)):
+        raise ProtocolError(f"{kind}: array {key!r} contains NaN or infinite values")
+    return arr
+
+
+# Hard wire limit, before any client policy: 2^28 float32 values (1 GiB).
+WIRE_MAX_VALUES = 1 << 28
+
+
+# --- requests -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class RequestBase:
+    """Fields every request carries: its id (idempotency key), the run id and the round."""
+
+    request_id: str
+    run_id: str
+    round: int
+
+
+@dataclass(frozen=True, eq=False)
+class GradientRequest(RequestBase):
+    """One round of federated GD: each unit's clipped loss gradient at ``parameters`` (FZ Alg. 3).
+
+    Privacy: the reply is the sum of the units' clipped gradients (plus N(0, noise_std^2 I)
+    in local trust); each unit is charged ||clipped gradient||^2 / noise_std^2.
+    """
+
+    noise_std: float
+    l2_clip: float
+    trust: str
+    unit: str
+    model: str
+    model_args: str  # canonical JSON of the model's constructor arguments
+    parameters: NDArray[np.float32] = field(repr=False)
+
+
+@dataclass(frozen=True, eq=False)
+class IndicatorRequest(RequestBase):
+    """An adaptive counting query: each unit's indicator of a predicate on its data (FZ Thm 1.2).
+
+    Privacy: in ``record`` units each record contributes its 0/1 indicator, clipped by
+    partial clipping; in ``client`` units the client's count, clipped to ``l2_clip``.
+    """
+
+    noise_std: float
+    l2_clip: float
+    trust: str
+    unit: str
+    predicate: str
+    column: int
+    value: float
+
+
+@dataclass(frozen=True, eq=False)
+class MonitorRequest(RequestBase):
+    """The active-set monitor's per-round report (privacy.md §7); its cost is reserved at enrolment."""
+
+    trust: str
+
+
+@dataclass(frozen=True, eq=False)
+class StatusRequest(RequestBase):
+    """What the client accepts: its filter, target, unit, trust and policy (public configuration, no spend)."""
+
+
+Request = GradientRequest | IndicatorRequest | MonitorRequest | StatusRequest
+
+_BASE_KEYS = {"request_id", "run_id", "round"}
+_GRADIENT_KEYS = _BASE_KEYS | {"noise_std", "l2_clip", "trust", "unit", "model", "model_args"}
+_INDICATOR_KEYS = _BASE_KEYS | {"noise_std", "l2_clip", "trust", "unit", "predicate", "column", "value"}
+_MONITOR_KEYS = _BASE_KEYS | {"trust"}
+
+
+def _base(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    return {
+        "request_id": _str(config, "request_id", kind),
+        "run_id": _str(config, "run_id", kind),
+        "round": _int(config, "round", kind, minimum=0),
+    }
+
+
+def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping[str, Any]) -> Request:
+    """Decode and validate a request through the closed table of message types."""
+    if message_type not in MESSAGE_TYPES:
+        raise ProtocolError(f"message type: expected one of {MESSAGE_TYPES}, got {message_type!r}")
+    kind = message_type
+    if message_type == GRADIENT:
+        _no_extra(config, arrays, kind, _GRADIENT_KEYS, {"parameters"})
+        model_args = _str(config, "model_args", kind) if config.get("model_args") != "" else ""
+        try:
+            parsed = json.loads(model_args or "{}")
+        except json.JSONDecodeError as exc:
+            raise ProtocolError(f"{kind}: 'model_args' must be JSON, got {model_args!r}") from exc
+        if not isinstance(parsed, dict):
+            raise ProtocolError(f"{kind}: 'model_args' must be a JSON object, got {model_args!r}")
+        return GradientRequest(
+            **_base(config, kind),
+            noise_std=_positive(config, "noise_std", kind),
+            l2_clip=_positive(config, "l2_clip", kind),
+            trust=_str(config, "trust", kind, choices=TRUST_MODES),
+            unit=_str(config, "unit", kind, choices=UNITS),
+            model=_str(config, "model", kind),
+            model_args=json.dumps(parsed, sort_keys=True),
+            parameters=_flat_finite(arrays, "parameters", kind, max_size=WIRE_MAX_VALUES),
+        )
+    if message_type == INDICATOR:
+        _no_extra(config, arrays, kind, _INDICATOR_KEYS, set())
+        return IndicatorRequest(
+            **_base(config, kind),
+            noise_std=_positive(config, "noise_std", kind),
+            l2_clip=_positive(config, "l2_clip", kind),
+            trust=_str(config, "trust", kind, choices=TRUST_MODES),
+            unit=_str(config, "unit", kind, choices=UNITS),
+            predicate=_str(config, "predicate", kind, choices=PREDICATES),
+            column=_int(config, "column", kind, minimum=0),
+            value=_real(config, "value", kind),
+        )
+    if message_type == MONITOR:
+        _no_extra(config, arrays, kind, _MONITOR_KEYS, set())
+        return MonitorRequest(**_base(config, kind), trust=_str(config, "trust", kind, choices=TRUST_MODES))
+    _no_extra(config, arrays, kind, _BASE_KEYS, set())
+    return StatusRequest(**_base(config, kind))
+
+
+def message_type_of(request: Request) -> str:
+    """The wire message type of a request object."""
+    table: dict[type, str] = {
+        GradientRequest: GRADIENT,
+        IndicatorRequest: INDICATOR,
+        MonitorRequest: MONITOR,
+        StatusRequest: STATUS,
+    }
+    return table[type(request)]
+
+
+def encode_request(request: Request) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+    """The (config, arrays) form of a request, the inverse of :func:`decode_request`."""
+    config: dict[str, Any] = {}
+    arrays: dict[str, NDArray[Any]] = {}
+    for f in fields(request):
+        value = getattr(request, f.name)
+        if isinstance(value, np.ndarray):
+            arrays[f.name] = value
+        else:
+            config[f.name] = value
+    return config, arrays
+
+
+def request_digest(message_type: str, config: Mapping[str, Any], arrays: Mapping[str, NDArray[Any]]) -> str:
+    """SHA-256 of a request's canonical form: reusing an id with other content changes it."""
+    h = hashlib.sha256()
+    h.update(message_type.encode())
+    h.update(json.dumps({k: config[k] for k in sorted(config)}, sort_keys=True, default=repr).encode())
+    for key in sorted(arrays):
+        arr = np.ascontiguousarray(arrays[key])
+        h.update(f"|{key}|{arr.dtype.str}|{arr.shape}|".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+# --- replies ----------------------------------------------------------------------------
+
+REPLY_OK = "ok"
+REPLY_EXHAUSTED = "exhausted"
+
+
+@dataclass(frozen=True, eq=False)
+class ContributionReply:
+    """A client's answer to a gradient or indicator request.
+
+    ``total`` is the sum of its units' clipped contributions; in local trust the client
+    has added N(0, noise_std^2 I) and the reply has the same keys, shapes and dtypes
+    whether or not any unit is still active (privacy.md §8). In central trust an
+    exhausted client may answer ``status="exhausted"`` with an empty total.
+    """
+
+    request_id: str
+    status: str
+    trust: str
+    noise_added: float  # std of the noise the client added (0 in central trust)
+    total: NDArray[np.float32] = field(repr=False)
+
+    def encode(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        return (
+            {"request_id": self.request_id, "status": self.status, "trust": self.trust,
+             "noise_added": self.noise_added},
+            {"total": self.total},
+        )
+
+    @classmethod
+    def decode(cls, config: Mapping[str, Any], arrays: Mapping[str, Any]) -> ContributionReply:
+        kind = "reply"
+        _no_extra(config, arrays, kind, {"request_id", "status", "trust", "noise_added"}, {"total"})
+        total = arrays.get("total")
+        if not isinstance(total, np.ndarray) or total.dtype != np.float32 or total.ndim != 1:
+            raise ProtocolError(f"reply: 'total' must be a 1-d float32 array, got {total!r:.80}")
+        if not np.all(np.isfinite(total)):
+            raise ProtocolError("reply: 'total' contains NaN or infinite values")
+        noise_added = float(config.get("noise_added", -1.0))
+        if not math.isfinite(noise_added) or noise_added < 0:
+            raise ProtocolError(f"reply: 'noise_added' must be a finite number >= 0, got {config.get('noise_added')!r}")
+        return cls(
+            request_id=_str(config, "request_id", kind),
+            status=_str(config, "status", kind, choices=(REPLY_OK, REPLY_EXHAUSTED)),
+            trust=_str(config, "trust", kind, choices=TRUST_MODES),
+            noise_added=noise_added,
+            total=total,
+        )
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    """The client's public configuration: what it accepts. Holds no spend (that is private)."""
+
+    request_id: str
+    description: str  # canonical JSON
+
+    def encode(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        return {"request_id": self.request_id, "description": self.description}, {}

@@ -1,0 +1,126 @@
+"""Model architectures both sides of the federation agree on, and their flat parameter layout.
+
+The flat layout (``model.parameters()`` order, each tensor flattened row-major, float32) is part
+of the wire contract: the coordinator sends it, clients load it and return gradients in it.
+Models are looked up in the closed table :data:`MODELS`, never by a name taken from data.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ValueError(f"{name}: expected an integer > 0, got {value!r}")
+    return int(value)
+
+
+def opacus_mnist_cnn() -> nn.Module:
+    """The ``SampleConvNet`` of Opacus's ``examples/mnist.py``; input (N, 1, 28, 28), 10 logits."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 8, 2, padding=3),
+        nn.ReLU(),
+        nn.MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, 2),
+        nn.ReLU(),
+        nn.MaxPool2d(2, 1),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
+    )
+
+
+def mlp(*, in_features: int, hidden: tuple[int, ...], out_features: int) -> nn.Module:
+    """Fully connected ReLU network ``in_features -> *hidden -> out_features`` (input is flattened)."""
+    widths = [_positive_int("in_features", in_features)]
+    widths += [_positive_int(f"hidden[{i}]", h) for i, h in enumerate(tuple(hidden))]
+    widths.append(_positive_int("out_features", out_features))
+    layers: list[nn.Module] = [nn.Flatten()]
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def logreg(*, in_features: int, n_classes: int) -> nn.Module:
+    """Multinomial logistic regression: one linear layer giving ``n_classes`` logits (input is flattened)."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(_positive_int("in_features", in_features), _positive_int("n_classes", n_classes))
+    )
+
+
+MODELS: Mapping[str, Callable[..., nn.Module]] = MappingProxyType(
+    {"opacus_mnist_cnn": opacus_mnist_cnn, "mlp": mlp, "logreg": logreg}
+)
+
+
+def build_model(name: str, *, seed: int | torch.Generator = 0, **params: object) -> nn.Module:
+    """Build model ``name`` from :data:`MODELS` with PyTorch's default init drawn from ``seed``.
+
+    The global torch RNG is left untouched; the same ``name``, ``params`` and seed give the same
+    parameters. A ``torch.Generator`` is consumed for one 63-bit seed.
+    """
+    if name not in MODELS:
+        raise ValueError(f"model: expected one of {sorted(MODELS)}, got {name!r}")
+    builder = MODELS[name]
+    try:
+        inspect.signature(builder).bind(**params)
+    except TypeError as exc:
+        expected = list(inspect.signature(builder).parameters)
+        raise ValueError(f"model {name!r}: expected parameters {expected}, got {sorted(params)} ({exc})") from None
+    if isinstance(seed, torch.Generator):
+        seed = int(torch.randint(0, 2**63 - 1, (1,), generator=seed).item())
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed: expected an int or torch.Generator, got {seed!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return builder(**params)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Number of scalar parameters ``d`` in the flat layout."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of each parameter, in flat-layout order."""
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def flatten_parameters(model: nn.Module) -> np.ndarray:
+    """All parameters as one float32 vector of shape ``(d,)`` in flat-layout order."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1).to(torch.float32).cpu() for p in model.parameters()])
+    return flat.numpy().copy()
+
+
+def load_flat_parameters(model: nn.Module, flat: np.ndarray) -> None:
+    """Copy a flat float32 vector of shape ``(d,)`` into ``model``'s parameters, in place."""
+    d = parameter_count(model)
+    if not isinstance(flat, np.ndarray):
+        raise ValueError(f"flat parameters: expected a numpy array, got {type(flat).__name__}")
+    if flat.dtype != np.float32:
+        raise ValueError(f"flat parameters: expected dtype float32, got {flat.dtype}")
+    if flat.size != d:
+        raise ValueError(f"flat parameters: expected {d} values, got {flat.size}")
+    if flat.shape != (d,):
+        raise ValueError(f"flat parameters: expected shape ({d},), got {flat.shape}")
+    if not np.isfinite(flat).all():
+        raise ValueError(f"flat parameters: expected finite values, got {int((~np.isfinite(flat)).sum())} NaN/inf")
+    src = torch.from_numpy(flat)
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            n = p.numel()
+            p.copy_(src[offset : offset + n].view_as(p))
+            offset += n

@@ -1,0 +1,105 @@
+"""The client agent through Flower's simulation engine (Ray), real ClientApp and ServerApp.
+
+Spend survives a new Flower run and new node ids: two runs against the same ledger
+directory; the second starts where the first stopped, and units exhausted in the first
+contribute nothing in the second. Flower's node ids differ between the runs; the ledger
+is keyed by the node's own configuration, never by Flower state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client_agent.client_app import build_client_app, simulation_node_config
+from client_agent.ledger import Ledger
+from coordinator.server_app import CoordinatorConfig, build_server_app
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+flwr_simulation = pytest.importorskip("flwr.simulation")
+
+pytestmark = pytest.mark.flower
+
+N_CLIENTS = 4
+RECORDS = 30
+BACKEND = {
+    "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+    "init_args": {"num_cpus": 2, "logging_level": "ERROR", "log_to_driver": False},
+}
+
+
+def make_clients(root: Path, *, trust: str) -> dict[int, dict[str, object]]:
+    rng = np.random.default_rng(7)
+    per: dict[int, dict[str, object]] = {}
+    for pid in range(N_CLIENTS):
+        x = rng.normal(size=(RECORDS, 4)).astype(np.float32)
+        # Half the records of each client have near-zero features: small gradients, long-lived units.
+        x[RECORDS // 2 :] *= 0.01
+        y = (x[:, 0] > 0).astype(np.int64)
+        np.savez(root / f"data{pid}.npz", x=x, y=y)
+        per[pid] = {
+            "ledger-path": str(root / "ledgers" / f"client{pid}.sqlite"),
+            "data-path": str(root / f"data{pid}.npz"),
+            "epsilon": 2.0,
+            "delta": 1e-5,
+            "unit": "record",
+            "trust": trust,
+            "noise-seed": 100 + pid,
+        }
+    return per
+
+
+def run(per: dict[int, dict[str, object]], *, run_id: str, rounds: int, trust: str) -> dict[str, object]:
+    cfg = CoordinatorConfig(
+        num_nodes=N_CLIENTS, n_public=N_CLIENTS * RECORDS, rounds=rounds, noise_std=3.0, l2_clip=1.0,
+        learning_rate=0.5, trust=trust, unit="record", model="logreg",
+        model_args=json.dumps({"in_features": 4, "n_classes": 2}), run_id=run_id,
+    )
+    results: dict[str, object] = {}
+    flwr_simulation.run_simulation(
+        server_app=build_server_app(cfg, results),
+        client_app=build_client_app([simulation_node_config(per)]),
+        num_supernodes=N_CLIENTS,
+        backend_config=BACKEND,
+    )
+    return results
+
+
+def ledger_states(per: dict[int, dict[str, object]]) -> list[dict[str, np.ndarray]]:
+    out = []
+    for pid in range(N_CLIENTS):
+        with Ledger.open_existing(Path(str(per[pid]["ledger-path"]))) as ledger:
+            out.append(ledger.state())
+    return out
+
+
+@pytest.mark.parametrize("trust", ["local", "central"])
+def test_spend_survives_new_run_and_node_ids(tmp_path: Path, trust: str) -> None:
+    per = make_clients(tmp_path, trust=trust)
+    first = run(per, run_id="run-1", rounds=4, trust=trust)
+    assert first["rounds_completed"] == 4
+    assert all(r["replies"] == N_CLIENTS and not r["errors"] for r in first["rounds"])  # type: ignore[index]
+    after_first = ledger_states(per)
+    spent1 = np.concatenate([s["spent"] for s in after_first])
+    stopped1 = np.concatenate([s["stopped"] for s in after_first])
+    assert spent1.min() > 0  # every unit was charged
+    assert stopped1.any() and not stopped1.all()  # large-gradient units ran out, small ones did not
+
+    second = run(per, run_id="run-2", rounds=4, trust=trust)
+    assert second["rounds_completed"] == 4
+    after_second = ledger_states(per)
+    spent2 = np.concatenate([s["spent"] for s in after_second])
+    stopped2 = np.concatenate([s["stopped"] for s in after_second])
+    assert np.all(spent2 >= spent1)  # no spend went down, nothing was reset
+    np.testing.assert_array_equal(spent2[stopped1], spent1[stopped1])  # exhausted units contributed nothing
+    assert np.any(spent2[~stopped1] > spent1[~stopped1])  # the others went on from where they were
+    assert np.all(stopped2[stopped1])
+    for pid in range(N_CLIENTS):
+        with Ledger.open_existing(Path(str(per[pid]["ledger-path"]))) as ledger:
+            assert ledger.requests_in_run("run-1") == 4
+            assert ledger.requests_in_run("run-2") == 4
