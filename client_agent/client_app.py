@@ -43,25 +43,34 @@ def encode_content(config: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) 
     )
 
 
-def handle_message(msg: Message, context: Context) -> Message:
-    """Answer one message through a fresh Agent over the node's ledger."""
+def answer_request(
+    node_config: Mapping[str, Any], message_type: str, config: dict[str, Any], arrays: dict[str, np.ndarray]
+) -> Outcome:
+    """Everything the ClientApp does for one request, without Flower: open, answer, close, then send.
+
+    The ``before_send`` fault point sits where the reply is handed to Flower.
+    """
     try:
-        config = parse_agent_config(context.node_config)
+        agent = Agent(parse_agent_config(node_config))
     except AgentConfigError as exc:
-        return Message(Error(code=wire.ERR_LEDGER, reason=f"agent configuration: {exc}"), reply_to=msg)
-    try:
-        agent = Agent(config)
+        return Outcome(error_code=wire.ERR_LEDGER, error_reason=f"agent configuration: {exc}")
     except (LedgerError, ValueError, OSError) as exc:
-        return Message(Error(code=wire.ERR_LEDGER, reason=str(exc)), reply_to=msg)
+        return Outcome(error_code=wire.ERR_LEDGER, error_reason=str(exc))
     try:
-        try:
-            req_config, req_arrays = _decode_content(msg)
-            outcome = agent.handle(msg.metadata.message_type, req_config, req_arrays)
-        except wire.ProtocolError as exc:
-            outcome = Outcome(error_code=wire.ERR_MALFORMED, error_reason=str(exc))
+        outcome = agent.handle(message_type, config, arrays)
     finally:
         agent.close()
     fault_point("before_send")
+    return outcome
+
+
+def handle_message(msg: Message, context: Context) -> Message:
+    """The ClientApp handler: Flower message in, :func:`answer_request`, Flower message out."""
+    try:
+        req_config, req_arrays = _decode_content(msg)
+    except wire.ProtocolError as exc:
+        return Message(Error(code=wire.ERR_MALFORMED, reason=str(exc)), reply_to=msg)
+    outcome = answer_request(context.node_config, msg.metadata.message_type, req_config, req_arrays)
     if outcome.is_error:
         return Message(Error(code=outcome.error_code, reason=outcome.error_reason), reply_to=msg)
     assert outcome.config is not None and outcome.arrays is not None

@@ -1,0 +1,112 @@
+"""Crash safety: the agent, in a subprocess, is killed with SIGKILL at each step of answering.
+
+Steps (client_agent.agent): ``after_compute`` (contributions computed, nothing charged,
+nothing sent), ``after_commit`` (charge, new state and exact reply bytes committed in
+one transaction: "after charging" and "after storing the reply" are the same durable
+point), ``before_send`` (about to hand the reply to Flower). On restart, the same
+request is sent again. Invariants (privacy.md §9):
+- every reply that could have left was charged (it is in the ledger with its charge);
+- no spend went down;
+- the repeated request returns the identical stored reply, with no second charge.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client_agent.agent import unpack_reply
+from client_agent.ledger import Ledger
+from protocol import messages as wire
+
+CHILD = r"""
+import json, pickle, sys
+from client_agent.client_app import answer_request
+node_config, message_type, config, arrays = pickle.loads(sys.stdin.buffer.read())
+outcome = answer_request(node_config, message_type, config, arrays)
+sys.stdout.buffer.write(pickle.dumps((outcome.error_code, outcome.error_reason, outcome.config, outcome.arrays)))
+"""
+
+
+def setup(tmp_path: Path) -> tuple[dict[str, object], tuple[str, dict[str, object], dict[str, np.ndarray]]]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(20, 3)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
+    node_config = {
+        "ledger-path": str(tmp_path / "ledger.sqlite"),
+        "data-path": str(tmp_path / "data.npz"),
+        "epsilon": 3.0,
+        "delta": 1e-5,
+        "unit": "record",
+        "trust": "local",
+    }
+    request = wire.GradientRequest(
+        request_id="run:r1:n1", run_id="run", round=1, noise_std=5.0, l2_clip=1.0, trust="local", unit="record",
+        model="logreg", model_args=json.dumps({"in_features": 3, "n_classes": 2}),
+        parameters=np.zeros(3 * 2 + 2, dtype=np.float32),
+    )
+    config, arrays = wire.encode_request(request)
+    return node_config, (wire.GRADIENT, config, arrays)
+
+
+def run_child(payload: object, fault: str | None) -> subprocess.CompletedProcess[bytes]:
+    env = {"FEDFILTER_FAULT": fault} if fault else {}
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-c", CHILD], input=pickle.dumps(payload), capture_output=True, timeout=120,
+        env={**os.environ, **env}, check=False,
+    )
+
+
+def spent(path: Path) -> np.ndarray:
+    with Ledger.open_existing(path) as ledger:
+        return ledger.state()["spent"]
+
+
+@pytest.mark.parametrize("step", ["after_compute", "after_commit", "before_send"])
+def test_sigkill_at_each_step(tmp_path: Path, step: str) -> None:
+    node_config, (mtype, config, arrays) = setup(tmp_path)
+    ledger_path = Path(str(node_config["ledger-path"]))
+    payload = (node_config, mtype, config, arrays)
+
+    crashed = run_child(payload, step)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr.decode()[-2000:]
+    assert crashed.stdout == b""  # nothing was sent
+
+    with Ledger.open_existing(ledger_path) as ledger:
+        stored = ledger.lookup(config["request_id"])  # type: ignore[arg-type]
+        before = ledger.state()["spent"]
+    if step == "after_compute":
+        assert stored is None  # nothing charged, and nothing could have left
+        assert np.all(before == 0)
+    else:
+        assert stored is not None  # the reply that could have left is charged
+        assert np.all(before > 0)
+
+    again = run_child(payload, None)
+    assert again.returncode == 0, again.stderr.decode()[-2000:]
+    code, reason, reply_config, reply_arrays = pickle.loads(again.stdout)
+    assert code == 0, reason
+    after = spent(ledger_path)
+    assert np.all(after >= before)  # no spend went down
+    with Ledger.open_existing(ledger_path) as ledger:
+        stored = ledger.lookup(config["request_id"])  # type: ignore[arg-type]
+        assert stored is not None
+        assert ledger.requests_answered() == 1
+    stored_config, stored_arrays = unpack_reply(stored.reply)
+    assert reply_config == stored_config
+    np.testing.assert_array_equal(reply_arrays["total"], stored_arrays["total"])
+    if step != "after_compute":
+        np.testing.assert_array_equal(after, before)  # the replay charged nothing more
+
+    third = run_child(payload, None)  # and once more: byte-identical, no new charge
+    assert pickle.loads(third.stdout)[3]["total"].tobytes() == reply_arrays["total"].tobytes()
+    np.testing.assert_array_equal(spent(ledger_path), after)

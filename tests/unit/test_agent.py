@@ -1,0 +1,187 @@
+"""The client agent on hostile and bad requests, and what its replies reveal (privacy.md §8-9)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from client_agent.agent import Agent
+from client_agent.config import AgentConfigError, parse_agent_config
+from protocol import messages as wire
+
+MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
+N_PARAMS = 3 * 2 + 2
+
+
+def make_agent(tmp_path: Path, **overrides: Any) -> Agent:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(10, 3)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
+    node_config = {
+        "ledger-path": str(tmp_path / "ledger.sqlite"), "data-path": str(tmp_path / "data.npz"),
+        "epsilon": 1.0, "delta": 1e-5, "unit": "record", "trust": "local",
+        "policy-min-noise-std": 1.0, "policy-max-clip": 2.0, "policy-max-model-params": 100,
+        "policy-max-rounds-per-run": 5, "noise-seed": 3,
+    }
+    node_config.update(overrides)
+    return Agent(parse_agent_config(node_config))
+
+
+def gradient(request_id: str = "r1", **fields: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    base = dict(request_id=request_id, run_id="run", round=1, noise_std=2.0, l2_clip=1.0, trust="local",
+                unit="record", model="logreg", model_args=MODEL_ARGS, parameters=np.zeros(N_PARAMS, np.float32))
+    base.update(fields)
+    return wire.encode_request(wire.GradientRequest(**base))
+
+
+def ledger_snapshot(agent: Agent) -> tuple[int, bytes]:
+    return agent.ledger.requests_answered(), agent.ledger.state()["spent"].tobytes()
+
+
+HOSTILE = [
+    ("noise under the policy", lambda c, a: (c | {"noise_std": 0.5}, a), wire.ERR_POLICY,
+     r"noise_std 0.5 asked; the policy requires noise_std >= 1.0"),
+    ("clip over the policy", lambda c, a: (c | {"l2_clip": 3.0}, a), wire.ERR_POLICY,
+     r"l2_clip 3.0 asked; the policy allows at most 2.0"),
+    ("NaN in the model", lambda c, a: (c, {"parameters": np.full(N_PARAMS, np.nan, np.float32)}), wire.ERR_MALFORMED,
+     r"'parameters' contains NaN or infinite values"),
+    ("inf in the model", lambda c, a: (c, {"parameters": np.full(N_PARAMS, np.inf, np.float32)}), wire.ERR_MALFORMED,
+     r"'parameters' contains NaN or infinite values"),
+    ("wrong shape", lambda c, a: (c, {"parameters": np.zeros(N_PARAMS + 1, np.float32)}), wire.ERR_MALFORMED,
+     r"'parameters' must hold 8 values for model 'logreg', got 9"),
+    ("2-d parameters", lambda c, a: (c, {"parameters": np.zeros((2, 4), np.float32)}), wire.ERR_MALFORMED,
+     r"must be 1-dimensional, got shape \(2, 4\)"),
+    ("oversized", lambda c, a: (c, {"parameters": np.zeros(1000, np.float32)}), wire.ERR_POLICY,
+     r"model size 1000 parameters asked; the policy allows at most 100"),
+    ("wrong dtype", lambda c, a: (c, {"parameters": np.zeros(N_PARAMS)}), wire.ERR_MALFORMED,
+     r"must have dtype float32, got float64"),
+    ("budget change", lambda c, a: (c | {"epsilon": 100.0}, a), wire.ERR_MALFORMED,
+     r"unexpected key 'epsilon'.*budgets are fixed in the client's ledger and are never changed"),
+    ("reset", lambda c, a: (c | {"reset": True}, a), wire.ERR_MALFORMED, r"unexpected key 'reset'"),
+    ("other trust", lambda c, a: (c | {"trust": "central"}, a), wire.ERR_POLICY,
+     r"trust 'central' asked; this client's ledger is fixed to trust 'local'"),
+    ("unknown trust", lambda c, a: (c | {"trust": "none"}, a), wire.ERR_MALFORMED,
+     r"'trust' must be one of \('local', 'central'\), got 'none'"),
+    ("unknown model", lambda c, a: (c | {"model": "os.system"}, a), wire.ERR_MALFORMED, r"model 'os.system'"),
+    ("missing key", lambda c, a: ({k: v for k, v in c.items() if k != "noise_std"}, a), wire.ERR_MALFORMED,
+     r"missing key 'noise_std'"),
+    ("string sigma", lambda c, a: (c | {"noise_std": "10"}, a), wire.ERR_MALFORMED, r"'noise_std' must be a number"),
+]
+
+
+@pytest.mark.parametrize(("name", "mutate", "code", "message"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_requests_refused_and_ledger_unchanged(
+    tmp_path: Path, name: str, mutate: Any, code: int, message: str
+) -> None:
+    agent = make_agent(tmp_path)
+    before = ledger_snapshot(agent)
+    config, arrays = mutate(*gradient())
+    outcome = agent.handle(wire.GRADIENT, config, arrays)
+    assert outcome.error_code == code
+    assert __import__("re").search(message, outcome.error_reason), outcome.error_reason
+    assert ledger_snapshot(agent) == before
+
+
+def test_unknown_kind_refused(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    outcome = agent.handle("train.evil", *gradient())
+    assert outcome.error_code == wire.ERR_MALFORMED
+    assert "message type: expected one of" in outcome.error_reason
+
+
+def test_id_reused_with_other_content_is_refused(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    first = agent.handle(wire.GRADIENT, *gradient())
+    assert not first.is_error
+    before = ledger_snapshot(agent)
+    again = agent.handle(wire.GRADIENT, *gradient(noise_std=4.0))
+    assert again.error_code == wire.ERR_REPLAY
+    assert "was answered before with other content" in again.error_reason
+    assert ledger_snapshot(agent) == before
+    same = agent.handle(wire.GRADIENT, *gradient())
+    assert same.arrays is not None and first.arrays is not None
+    assert same.arrays["total"].tobytes() == first.arrays["total"].tobytes()
+    assert ledger_snapshot(agent) == before
+
+
+def test_rounds_per_run_limit(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    for i in range(5):
+        assert not agent.handle(wire.GRADIENT, *gradient(f"r{i}", round=i + 1)).is_error
+    refused = agent.handle(wire.GRADIENT, *gradient("r5", round=6))
+    assert refused.error_code == wire.ERR_POLICY
+    assert "the policy allows at most 5 requests per run" in refused.error_reason
+
+
+def test_exhausted_local_reply_has_same_shape(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    active = agent.handle(wire.GRADIENT, *gradient("a", parameters=np.ones(N_PARAMS, np.float32)))
+    for i in range(30):  # spend everything
+        agent.handle(wire.GRADIENT, *gradient(f"b{i}", round=2, run_id=f"spend{i}"))
+    assert agent.ledger.state()["stopped"].all()
+    spent = agent.ledger.state()["spent"].copy()
+    exhausted = agent.handle(wire.GRADIENT, *gradient("c", run_id="late"))
+    assert active.config is not None and exhausted.config is not None
+    assert active.arrays is not None and exhausted.arrays is not None
+    assert set(active.config) == set(exhausted.config)
+    assert exhausted.config["status"] == wire.REPLY_OK
+    assert set(active.arrays) == set(exhausted.arrays)
+    for key in active.arrays:
+        assert active.arrays[key].shape == exhausted.arrays[key].shape
+        assert active.arrays[key].dtype == exhausted.arrays[key].dtype
+    assert np.any(exhausted.arrays["total"] != 0)  # noise only, not an all-zero tell-tale
+    np.testing.assert_array_equal(agent.ledger.state()["spent"], spent)  # and nothing charged
+
+
+def test_mismatched_ledger_refuses_to_answer(tmp_path: Path) -> None:
+    make_agent(tmp_path).close()
+    with pytest.raises(Exception, match="epsilon"):
+        make_agent(tmp_path, epsilon=5.0)
+
+
+def test_corrupt_ledger_is_never_reset(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    agent.handle(wire.GRADIENT, *gradient())
+    agent.close()
+    path = tmp_path / "ledger.sqlite"
+    shutil.copy(path, tmp_path / "backup")
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(Exception, match="corrupt"):
+        make_agent(tmp_path)
+    assert len(path.read_bytes()) == 1000
+
+
+def test_bad_agent_config() -> None:
+    with pytest.raises(AgentConfigError, match=r"unknown keys \['budget'\]"):
+        parse_agent_config({"ledger-path": "x", "data-path": "y", "epsilon": 1.0, "delta": 1e-5, "budget": 3})
+    with pytest.raises(AgentConfigError, match="epsilon: expected a finite number > 0"):
+        parse_agent_config({"ledger-path": "x", "data-path": "y", "epsilon": -1.0, "delta": 1e-5})
+
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.floats(allow_nan=True),
+                    st.text(max_size=20))
+keys = st.sampled_from(["request_id", "run_id", "round", "noise_std", "l2_clip", "trust", "unit", "model",
+                        "model_args", "predicate", "column", "value", "epsilon"]) | st.text(max_size=8)
+arrays = st.dictionaries(st.sampled_from(["parameters", "x"]), st.sampled_from([
+    np.zeros(3, np.float32), np.full(2, np.nan, np.float32), np.zeros((2, 2), np.float32), np.zeros(3)]), max_size=2)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mtype=st.sampled_from([*wire.MESSAGE_TYPES, "train", "query.x", ""]),
+       config=st.dictionaries(keys, scalars, max_size=12), arrs=arrays)
+def test_decoder_fuzz(mtype: str, config: dict[str, Any], arrs: dict[str, np.ndarray]) -> None:
+    """Any input either decodes to a valid request or raises ProtocolError (never anything else)."""
+    try:
+        request = wire.decode_request(mtype, config, arrs)
+    except wire.ProtocolError as exc:
+        assert str(exc)
+        return
+    again = wire.decode_request(wire.message_type_of(request), *wire.encode_request(request))
+    assert wire.encode_request(again)[0] == wire.encode_request(request)[0]
