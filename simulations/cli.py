@@ -2,6 +2,7 @@
 
 Subcommands:
   budget   privacy calculator: each filter's budget and the full-norm rounds it allows
+  ledger   show or verify a client's privacy ledger
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import json
 import sys
 from collections.abc import Sequence
 
+from pathlib import Path
+
+from client_agent.ledger import LedgerError
 from protocol.budget import budget_report
 from protocol.validate import PrivacyParameterError, open_unit, positive, positive_int
 
@@ -88,6 +92,42 @@ def _run_budget(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_ledger(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("ledger", help="inspect a client's privacy ledger")
+    lsub = p.add_subparsers(dest="ledger_command", required=True)
+    show = lsub.add_parser("show", help="configuration and spend of a ledger")
+    show.add_argument("path", type=Path)
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(handler=_run_ledger_show)
+    verify = lsub.add_parser("verify", help="replay every release and check the stored state")
+    verify.add_argument("path", type=Path)
+    verify.set_defaults(handler=_run_ledger_verify)
+
+
+def _run_ledger_show(args: argparse.Namespace) -> int:
+    from client_agent.ledger_report import ledger_summary
+
+    summary = ledger_summary(args.path)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    for key, value in summary.items():
+        print(f"{key:<18} {value}")
+    return 0
+
+
+def _run_ledger_verify(args: argparse.Namespace) -> int:
+    from client_agent.ledger_report import verify_ledger
+
+    problems = verify_ledger(args.path)
+    if problems:
+        for problem in problems:
+            print(f"{args.path}: {problem}", file=sys.stderr)
+        return 1
+    print(f"{args.path}: ok (every stored release replays to the stored state)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedfilter",
@@ -95,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_budget(sub)
+    _add_ledger(sub)
     return parser
 
 
@@ -103,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
-    except PrivacyParameterError as exc:
+    except (PrivacyParameterError, LedgerError) as exc:
         print(f"fedfilter {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -185,3 +185,38 @@ def test_decoder_fuzz(mtype: str, config: dict[str, Any], arrs: dict[str, np.nda
         return
     again = wire.decode_request(wire.message_type_of(request), *wire.encode_request(request))
     assert wire.encode_request(again)[0] == wire.encode_request(request)[0]
+
+
+def test_ledger_show_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from simulations.cli import main
+
+    agent = make_agent(tmp_path)
+    for i in range(4):
+        agent.handle(wire.GRADIENT, *gradient(f"r{i}", round=i + 1, parameters=np.full(N_PARAMS, 0.1 * i, np.float32)))
+    agent.close()
+    path = str(tmp_path / "ledger.sqlite")
+    assert main(["ledger", "show", path, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    required = {"filter", "unit", "trust", "epsilon", "delta", "units_total", "units_active", "units_exhausted",
+                "spent_max", "spent_mean", "threshold", "requests_answered"}
+    assert required <= set(shown)
+    assert shown["units_total"] == 10 and shown["requests_answered"] == 4
+    assert shown["units_active"] + shown["units_exhausted"] == 10
+    assert 0 < shown["spent_max"] <= shown["threshold"]
+    assert main(["ledger", "verify", path]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_ledger_verify_detects_tampered_spend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from client_agent.ledger_report import verify_ledger
+
+    agent = make_agent(tmp_path)
+    agent.handle(wire.GRADIENT, *gradient())
+    # Commit a state whose spend went down (as a buggy writer would), through the ledger's own API.
+    state = agent.ledger.state()
+    lowered = dict(state, spent=state["spent"] * 0.5)
+    agent.ledger.commit(request_id="forged", message_type=wire.STATUS, run_id="x", digest="0" * 64,
+                        release={"kind": np.array("status")}, new_state=lowered, reply=b"")
+    agent.close()
+    problems = verify_ledger(tmp_path / "ledger.sqlite")
+    assert problems and "stored spend" in problems[0]

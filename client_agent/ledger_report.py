@@ -1,0 +1,95 @@
+"""What a ledger says, for its owner: ``fedfilter ledger show`` and ``fedfilter ledger verify``.
+
+``verify`` replays every stored release through the filter the ledger was created with
+and checks that the result equals the stored state (House style: replaying the ledger
+through the filter rebuilds the state).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from client_agent.ledger import Ledger
+from protocol.filters import FilterState, GaussianFilter, rebuild
+from protocol.releases import GaussianRelease
+
+
+def _filter_of(ledger: Ledger) -> GaussianFilter | None:
+    described = dict(ledger.config.params.get("filter", {}))  # type: ignore[call-overload]
+    if ledger.config.filter == "realisation":
+        return None
+    return GaussianFilter(
+        kind=str(described["filter"]), epsilon=float(described["epsilon"]), delta=float(described["delta"]),
+        threshold=float(described["threshold"]), reserved=float(described["reserved"]),
+        orders=tuple(described.get("orders", ())), conversion=str(described.get("conversion", "")),
+    )
+
+
+def ledger_summary(path: Path) -> dict[str, Any]:
+    """The ledger's configuration and spend, as ``fedfilter ledger show --json`` prints it."""
+    with Ledger.open_existing(path) as ledger:
+        cfg = ledger.config
+        state = ledger.state()
+        filt = _filter_of(ledger)
+        if filt is not None:
+            spent, stopped, threshold = state["spent"], state["stopped"], filt.threshold
+        else:
+            described = dict(cfg.params["filter"])  # type: ignore[call-overload]
+            spent, stopped = np.abs(state["loss"]), ~state["accepting"]
+            threshold = float(described["epsilon"])
+        return {
+            "path": str(path),
+            "filter": cfg.filter,
+            "unit": cfg.unit,
+            "trust": cfg.trust,
+            "epsilon": cfg.epsilon,
+            "delta": cfg.delta,
+            "units_total": int(cfg.n_units),
+            "units_active": int((~stopped).sum()),
+            "units_exhausted": int(stopped.sum()),
+            "spent_max": float(spent.max()),
+            "spent_mean": float(spent.mean()),
+            "threshold": threshold,
+            "monitor": cfg.params.get("monitor"),
+            "requests_answered": ledger.requests_answered(),
+        }
+
+
+def verify_ledger(path: Path) -> list[str]:
+    """Problems found (empty when the ledger is consistent). Opening already checks integrity and checksums."""
+    problems: list[str] = []
+    with Ledger.open_existing(path) as ledger:
+        state = ledger.state()
+        filt = _filter_of(ledger)
+        if filt is None:
+            losses = np.zeros(ledger.config.n_units)
+            for _, message_type, release in ledger.releases():
+                if "losses" in release:
+                    losses = losses + release["losses"]
+            if not np.allclose(losses, state["loss"], rtol=0, atol=1e-12):
+                problems.append("stored realised losses differ from the sum of the stored releases")
+            return problems
+        records = [
+            GaussianRelease(str(rel["kind"]), request_id, float(rel["noise_std"][0]), rel["l2_norms"],
+                            refused=rel["refused"])
+            for request_id, _, rel in ledger.releases()
+            if "l2_norms" in rel
+        ]
+        try:
+            rebuilt = rebuild(filt, ledger.config.n_units, records)
+        except ValueError as exc:
+            return [f"replay failed: {exc}"]
+        stored = FilterState(spent=state["spent"], stopped=state["stopped"])
+        if not np.array_equal(rebuilt.spent, stored.spent):
+            worst = int(np.argmax(np.abs(rebuilt.spent - stored.spent)))
+            problems.append(
+                f"unit {worst}: stored spend {stored.spent[worst]!r} but the releases add up to {rebuilt.spent[worst]!r}"
+            )
+        if not np.array_equal(rebuilt.stopped, stored.stopped):
+            problems.append(f"{int((rebuilt.stopped != stored.stopped).sum())} units' stopped flags differ from replay")
+        if np.any(stored.spent > filt.threshold):
+            problems.append("a unit's stored spend exceeds the filter's threshold")
+    return problems
