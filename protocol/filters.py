@@ -274,13 +274,15 @@ def clip_scales(norms: NDArray[np.floating], bounds: NDArray[np.floating], *, dt
     """Scale factors that bring vectors of L2 norm ``norms`` within ``bounds``, with room for rounding.
 
     ``dtype_eps`` is the machine epsilon of the dtype the scaled vectors are stored in;
-    the bound is shrunk by 64 ulps so that the norm measured after scaling and
-    rounding still lies within it (the charge is computed from that measured norm).
+    a vector over its bound is scaled to 64 ulps under it, so that the norm measured
+    after scaling and rounding still lies within it (the charge is computed from that measured norm).
     """
     norms64 = np.asarray(norms, dtype=np.float64)
-    target = np.asarray(bounds, dtype=np.float64) * (1.0 - 64.0 * dtype_eps)
+    bounds64 = np.asarray(bounds, dtype=np.float64)
+    target = bounds64 * (1.0 - 64.0 * dtype_eps)
     with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.where(norms64 > target, target / np.where(norms64 > 0, norms64, 1.0), 1.0)
+        # Vectors already within their bound are left exactly as they are.
+        scale = np.where(norms64 > bounds64, target / np.where(norms64 > 0, norms64, 1.0), 1.0)
     return np.asarray(np.clip(scale, 0.0, 1.0), dtype=np.float64)
 
 

@@ -220,3 +220,72 @@ def test_ledger_verify_detects_tampered_spend(tmp_path: Path, capsys: pytest.Cap
     agent.close()
     problems = verify_ledger(tmp_path / "ledger.sqlite")
     assert problems and "stored spend" in problems[0]
+
+
+def indicator(request_id: str, **fields: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    base = dict(request_id=request_id, run_id="q", round=1, noise_std=2.0, l2_clip=1.0, trust="local",
+                unit="record", predicate="column", column=0, value=0.0)
+    base.update(fields)
+    return wire.encode_request(wire.IndicatorRequest(**base))
+
+
+def test_indicator_query_charges_only_positive_units(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    x = np.load(tmp_path / "data.npz")["x"]
+    outcome = agent.handle(wire.INDICATOR, *indicator("i1", predicate="threshold", value=0.0, noise_std=4.0))
+    assert not outcome.is_error and outcome.arrays is not None
+    assert outcome.arrays["total"].shape == (1,)
+    spent = agent.ledger.state()["spent"]
+    positive = x[:, 0] > 0
+    np.testing.assert_allclose(spent[positive], 1 / 16)  # mu^2 = (C / sigma)^2 = (1/4)^2
+    np.testing.assert_array_equal(spent[~positive], 0.0)  # a zero contribution costs nothing
+
+
+def test_client_units_one_filter(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path, unit="client")
+    outcome = agent.handle(
+        wire.INDICATOR, *indicator("i1", unit="client", predicate="threshold", value=0.0, noise_std=4.0)
+    )
+    assert not outcome.is_error
+    state = agent.ledger.state()
+    assert state["spent"].shape == (1,)
+    # The count (about 5) is clipped to C = 1, 64 float32 ulps under the bound.
+    assert state["spent"][0] == pytest.approx(1 / 16, rel=1e-4)
+    assert state["spent"][0] <= 1 / 16
+
+
+def test_realisation_filter_through_the_agent(tmp_path: Path) -> None:
+    # mu_max = policy-max-clip / policy-min-noise-std = 0.5.
+    agent = make_agent(tmp_path, filter="realisation", **{"realisation-max-rounds": 6, "epsilon": 5.0,
+                                                            "policy-max-clip": 1.0, "policy-min-noise-std": 2.0})
+    for r in range(1, 9):
+        outcome = agent.handle(wire.INDICATOR, *indicator(f"i{r}", round=r, run_id=f"q{r}", predicate="threshold"))
+        assert not outcome.is_error, outcome.error_reason
+    state = agent.ledger.state()
+    assert int(state["answered"][0]) == 8
+    assert not state["accepting"].any()  # N = 6 requests at most
+    released = [rel["participating"].sum() for _, _, rel in agent.ledger.releases()]
+    assert max(released) > 0 and released[-1] == 0
+    with_losses = sum(rel["losses"] for _, _, rel in agent.ledger.releases())
+    np.testing.assert_allclose(with_losses, state["loss"])
+
+
+def test_monitor_tree_reserved_and_reported_once(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = make_agent(tmp_path / "a", epsilon=3.0)
+    with_monitor = make_agent(
+        tmp_path / "b",
+        monitor="tree", epsilon=3.0, **{"monitor-noise-std": 4.0, "monitor-max-rounds": 16},
+    )
+    assert plain.gaussian is not None and with_monitor.gaussian is not None
+    # S_m = L / sigma_m^2 with L = ceil(log2 16) + 1 = 5 (privacy.md §7), reserved at enrolment.
+    assert with_monitor.gaussian.reserved == pytest.approx(5 / 16)
+    assert with_monitor.gaussian.threshold == pytest.approx(plain.gaussian.threshold - 5 / 16)
+    request = wire.encode_request(wire.MonitorRequest(request_id="m1", run_id="run", round=1, trust="local"))
+    first = with_monitor.handle(wire.MONITOR, *request)
+    assert not first.is_error and first.arrays is not None and first.arrays["total"].shape == (5,)
+    again = wire.encode_request(wire.MonitorRequest(request_id="m1b", run_id="run", round=1, trust="local"))
+    refused = with_monitor.handle(wire.MONITOR, *again)
+    assert refused.error_code == wire.ERR_POLICY and "already reported" in refused.error_reason
+    assert plain.handle(wire.MONITOR, *request).error_code == wire.ERR_POLICY  # no reservation, no monitor
