@@ -158,10 +158,14 @@ class Agent:
             return Outcome(error_code=wire.ERR_LEDGER, error_reason=str(exc))
 
     def status_json(self) -> str:
-        return json.dumps(
-            {"ledger": json.loads(self.ledger_config.to_json()), "policy": self.config.policy.describe()},
-            sort_keys=True,
-        )
+        """Public configuration only: no spend, and no fingerprint of the client's data.
+
+        The ledger's ``data_sha256`` stays on the client: a coordinator holding candidate
+        datasets could otherwise confirm exactly which data the client holds.
+        """
+        ledger = json.loads(self.ledger_config.to_json())
+        ledger["params"] = {k: v for k, v in ledger["params"].items() if k != "data_sha256"}
+        return json.dumps({"ledger": ledger, "policy": self.config.policy.describe()}, sort_keys=True)
 
     # -- policy -----------------------------------------------------------------------
 

@@ -289,3 +289,16 @@ def test_monitor_tree_reserved_and_reported_once(tmp_path: Path) -> None:
     refused = with_monitor.handle(wire.MONITOR, *again)
     assert refused.error_code == wire.ERR_POLICY and "already reported" in refused.error_reason
     assert plain.handle(wire.MONITOR, *request).error_code == wire.ERR_POLICY  # no reservation, no monitor
+
+
+def test_status_reveals_no_spend_and_no_data_fingerprint(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    agent.handle(wire.GRADIENT, *gradient())
+    status = agent.handle(wire.STATUS, {"request_id": "s", "run_id": "run", "round": 0}, {})
+    assert status.config is not None
+    text = status.config["description"]
+    fingerprint = agent.ledger_config.params["data_sha256"]
+    assert isinstance(fingerprint, str) and fingerprint not in text
+    assert "spent" not in text and "data_sha256" not in text
+    described = json.loads(text)
+    assert described["ledger"]["epsilon"] == 1.0 and described["policy"]["min_noise_std"] == 1.0
