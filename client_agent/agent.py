@@ -92,6 +92,18 @@ def load_client_data(path: os.PathLike[str] | str) -> tuple[NDArray[Any], NDArra
     return x, y, hashlib.sha256(raw).hexdigest()
 
 
+def check_monotone(old: dict[str, NDArray[Any]], new: dict[str, NDArray[Any]]) -> None:
+    """Refuse to commit a state in which a spend went down or a stopped unit restarted (privacy.md §3, §9)."""
+    if "spent" in old and np.any(new["spent"] < old["spent"]):
+        raise LedgerError("new state: expected every unit's spend to stay or grow, found one that went down")
+    if "stopped" in old and np.any(old["stopped"] & ~new["stopped"]):
+        raise LedgerError("new state: expected stopped units to stay stopped, found one restarted")
+    if "accepting" in old and np.any(new["accepting"] & ~old["accepting"]):
+        raise LedgerError("new state: expected stopped units to stay stopped, found one accepting again")
+    if np.any((old["halt_round"] >= 0) & (new["halt_round"] != old["halt_round"])):
+        raise LedgerError("new state: expected recorded halt rounds to stay as they were, found one changed")
+
+
 class Agent:
     """One client agent: its configuration, data, filter and ledger."""
 
@@ -156,6 +168,13 @@ class Agent:
             return Outcome(error_code=wire.ERR_REPLAY, error_reason=str(exc))
         except LedgerError as exc:
             return Outcome(error_code=wire.ERR_LEDGER, error_reason=str(exc))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply, never a traceback
+            # Nothing left the client: the reply is released only after a successful commit,
+            # and the commit is one transaction. A repeat with the same id is answered afresh.
+            return Outcome(
+                error_code=wire.ERR_INTERNAL,
+                error_reason=f"the client could not answer ({type(exc).__name__}: {exc}); nothing was released",
+            )
 
     def status_json(self) -> str:
         """Public configuration only: no spend, and no fingerprint of the client's data.
@@ -216,6 +235,7 @@ class Agent:
             rows = self.contributions(request)
             fault_point("after_compute")
             reply, new_state, release = self.release(request, rows, state)
+        check_monotone(state, new_state)
         cfg, arrs = reply.encode()
         blob = pack_reply(cfg, arrs)
         self.ledger.commit(

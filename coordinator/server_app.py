@@ -46,8 +46,11 @@ class CoordinatorConfig:
     unit: str = "record"
     model: str = "logreg"
     model_args: str = "{}"
-    seed: int = 0
+    seed: int = 0  # model initialisation only
     run_id: str = "run"
+    # Central-trust noise comes from OS entropy. A fixed seed makes the noise reproducible by
+    # anyone who knows it, which undoes the privacy: set it only for simulations and tests.
+    noise_seed: int | None = None
     round_timeout: float = 120.0
 
     def __post_init__(self) -> None:
@@ -63,6 +66,12 @@ class CoordinatorConfig:
             raise CoordinatorConfigError(f"trust: expected one of {wire.TRUST_MODES}, got {self.trust!r}")
         if self.unit not in wire.UNITS:
             raise CoordinatorConfigError(f"unit: expected one of {wire.UNITS}, got {self.unit!r}")
+        try:
+            parsed = json.loads(self.model_args)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise CoordinatorConfigError(f"model_args: expected a JSON object, got {self.model_args!r}") from exc
+        if not isinstance(parsed, dict):
+            raise CoordinatorConfigError(f"model_args: expected a JSON object, got {self.model_args!r}")
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> CoordinatorConfig:
@@ -86,6 +95,11 @@ class RoundLog:
     noise_std: float
     duration_s: float
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def noise_rng(cfg: CoordinatorConfig) -> np.random.Generator:
+    """The central-trust noise source: OS entropy unless a simulation fixed ``noise_seed``."""
+    return np.random.default_rng() if cfg.noise_seed is None else np.random.default_rng(cfg.noise_seed)
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout: float = 120.0) -> list[int]:
@@ -137,8 +151,8 @@ def run_gradient(
     on_round: Callable[[RoundLog], None] | None = None,
 ) -> dict[str, Any]:
     """Federated GD with filtering; returns the run's summary."""
-    rng = np.random.default_rng(cfg.seed)
-    model = build_model(cfg.model, **json.loads(cfg.model_args))
+    rng = noise_rng(cfg)
+    model = build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args))
     params = flatten_parameters(model).astype(np.float32)
     node_ids = wait_for_nodes(grid, cfg.num_nodes)
     logs: list[RoundLog] = []

@@ -325,9 +325,10 @@ class ContributionReply:
             raise ProtocolError(f"reply: 'total' must be a 1-d float32 array, got {total!r:.80}")
         if not np.all(np.isfinite(total)):
             raise ProtocolError("reply: 'total' contains NaN or infinite values")
-        noise_added = float(config.get("noise_added", -1.0))
-        if not math.isfinite(noise_added) or noise_added < 0:
-            raise ProtocolError(f"reply: 'noise_added' must be a finite number >= 0, got {config.get('noise_added')!r}")
+        raw = config.get("noise_added")
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) or raw < 0:
+            raise ProtocolError(f"reply: 'noise_added' must be a finite number >= 0, got {raw!r}")
+        noise_added = float(raw)
         return cls(
             request_id=_str(config, "request_id", kind),
             status=_str(config, "status", kind, choices=(REPLY_OK, REPLY_EXHAUSTED)),

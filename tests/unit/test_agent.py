@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 
 from client_agent.agent import Agent
 from client_agent.config import AgentConfigError, parse_agent_config
+from client_agent.ledger import LedgerError
 from protocol import messages as wire
 
 MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
@@ -142,7 +142,7 @@ def test_exhausted_local_reply_has_same_shape(tmp_path: Path) -> None:
 
 def test_mismatched_ledger_refuses_to_answer(tmp_path: Path) -> None:
     make_agent(tmp_path).close()
-    with pytest.raises(Exception, match="epsilon"):
+    with pytest.raises(LedgerError, match="epsilon"):
         make_agent(tmp_path, epsilon=5.0)
 
 
@@ -151,9 +151,8 @@ def test_corrupt_ledger_is_never_reset(tmp_path: Path) -> None:
     agent.handle(wire.GRADIENT, *gradient())
     agent.close()
     path = tmp_path / "ledger.sqlite"
-    shutil.copy(path, tmp_path / "backup")
     path.write_bytes(path.read_bytes()[:1000])
-    with pytest.raises(Exception, match="corrupt"):
+    with pytest.raises(LedgerError, match="corrupt"):
         make_agent(tmp_path)
     assert len(path.read_bytes()) == 1000
 
@@ -302,3 +301,31 @@ def test_status_reveals_no_spend_and_no_data_fingerprint(tmp_path: Path) -> None
     assert "spent" not in text and "data_sha256" not in text
     described = json.loads(text)
     assert described["ledger"]["epsilon"] == 1.0 and described["policy"]["min_noise_std"] == 1.0
+
+
+def test_unexpected_failure_is_a_typed_error_and_spends_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = make_agent(tmp_path)
+    before = ledger_snapshot(agent)
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("simulated failure in the gradient computation")
+
+    monkeypatch.setattr(agent, "contributions", broken)
+    outcome = agent.handle(wire.GRADIENT, *gradient())
+    assert outcome.error_code == wire.ERR_INTERNAL
+    assert "simulated failure" in outcome.error_reason and "nothing was released" in outcome.error_reason
+    assert ledger_snapshot(agent) == before
+
+
+def test_state_whose_spend_goes_down_is_never_committed(tmp_path: Path) -> None:
+    from client_agent.agent import check_monotone
+
+    agent = make_agent(tmp_path)
+    agent.handle(wire.GRADIENT, *gradient())
+    state = agent.ledger.state()
+    with pytest.raises(LedgerError, match="went down"):
+        check_monotone(state, dict(state, spent=state["spent"] * 0.5))
+    with pytest.raises(LedgerError, match="restarted"):
+        check_monotone(dict(state, stopped=np.ones_like(state["stopped"])),
+                       dict(state, stopped=np.zeros_like(state["stopped"])))
+    check_monotone(state, state)  # unchanged is fine

@@ -186,3 +186,13 @@ def test_release_record_validation() -> None:
     rel = GaussianRelease("gradient", "r0", 2.0, [1.0, 0.5])
     np.testing.assert_allclose(rel.squared_sensitivity, [0.25, 0.0625])
     assert not rel.l2_norms.flags.writeable
+
+
+def test_reply_decode_refuses_non_numeric_noise() -> None:
+    from protocol import messages as wire
+
+    total = {"total": np.zeros(2, dtype=np.float32)}
+    base = {"request_id": "r", "status": "ok", "trust": "local"}
+    for bad in ("abc", None, float("nan"), -1.0, True):
+        with pytest.raises(wire.ProtocolError, match="'noise_added' must be a finite number >= 0"):
+            wire.ContributionReply.decode(base | {"noise_added": bad}, total)
