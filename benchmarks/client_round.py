@@ -45,8 +45,14 @@ def main() -> None:
     model_args = {"in_features": 784, "hidden": [128], "out_features": 10}
     model = build_model("mlp", **model_args)
     params = flatten_parameters(model)
-    node_config = {"ledger-path": str(root / "ledger.sqlite"), "data-path": str(root / "data.npz"),
-                   "epsilon": 1e6, "delta": 1e-5, "unit": "client", "trust": "local"}
+    node_config = {
+        "ledger-path": str(root / "ledger.sqlite"),
+        "data-path": str(root / "data.npz"),
+        "epsilon": 1e6,
+        "delta": 1e-5,
+        "unit": "client",
+        "trust": "local",
+    }
 
     def baseline() -> None:
         m = build_model("mlp", **model_args)
@@ -57,9 +63,18 @@ def main() -> None:
 
     def full() -> None:
         i = next(counter)
-        request = wire.GradientRequest(request_id=f"b{i}", run_id="bench", round=i + 1, noise_std=1.0, l2_clip=1.0,
-                                       trust="local", unit="client", model="mlp",
-                                       model_args=json.dumps(model_args, sort_keys=True), parameters=params)
+        request = wire.GradientRequest(
+            request_id=f"b{i}",
+            run_id="bench",
+            round=i + 1,
+            noise_std=1.0,
+            l2_clip=1.0,
+            trust="local",
+            unit="client",
+            model="mlp",
+            model_args=json.dumps(model_args, sort_keys=True),
+            parameters=params,
+        )
         outcome = answer_request(node_config, wire.GRADIENT, *wire.encode_request(request))
         assert not outcome.is_error, outcome.error_reason
 

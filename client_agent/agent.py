@@ -82,7 +82,7 @@ def unpack_reply(blob: bytes) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
 
 def load_client_data(path: os.PathLike[str] | str) -> tuple[NDArray[Any], NDArray[Any], str]:
     """The client's records: ``x`` and ``y`` arrays from an .npz file, and the file's SHA-256."""
-    raw = open(path, "rb").read()  # noqa: SIM115 - read whole file once for its fingerprint
+    raw = open(path, "rb").read()
     with np.load(io.BytesIO(raw), allow_pickle=False) as data:
         if "x" not in data.files or "y" not in data.files:
             raise ValueError(f"data {path}: expected arrays 'x' and 'y' in the .npz file, found {data.files}")
@@ -168,7 +168,7 @@ class Agent:
             return Outcome(error_code=wire.ERR_REPLAY, error_reason=str(exc))
         except LedgerError as exc:
             return Outcome(error_code=wire.ERR_LEDGER, error_reason=str(exc))
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a typed reply, never a traceback
+        except Exception as exc:
             # Nothing left the client: the reply is released only after a successful commit,
             # and the commit is one transaction. A repeat with the same id is answered afresh.
             return Outcome(
@@ -288,11 +288,15 @@ class Agent:
             newly = result.state.stopped & ~fstate.stopped
             new_state.update(spent=np.array(result.state.spent), stopped=np.array(result.state.stopped))
             release: dict[str, NDArray[Any]] = {
-                "kind": np.array(kind), "noise_std": np.array([sigma]),
-                "l2_norms": record.l2_norms, "refused": np.asarray(record.refused),
+                "kind": np.array(kind),
+                "noise_std": np.array([sigma]),
+                "l2_norms": record.l2_norms,
+                "refused": np.asarray(record.refused),
             }
             active_after = ~result.state.stopped
-            noise = self.rng(request.request_id).normal(0.0, sigma, rows.shape[1]) if self.config.trust == "local" else None
+            noise = (
+                self.rng(request.request_id).normal(0.0, sigma, rows.shape[1]) if self.config.trust == "local" else None
+            )
         else:
             assert self.realisation is not None
             rstate = RealisationState(
@@ -310,13 +314,17 @@ class Agent:
             after = advance(rstate, step, losses=losses)
             newly = ~after.accepting & rstate.accepting
             new_state.update(
-                loss=np.array(after.loss), accepting=np.array(after.accepting),
+                loss=np.array(after.loss),
+                accepting=np.array(after.accepting),
                 answered=np.array([after.answered], dtype=np.int64),
             )
             release = {
-                "kind": np.array(kind), "noise_std": np.array([sigma]),
-                "l2_norms": np.where(step.participating, clipped_norms, 0.0), "losses": losses,
-                "participating": step.participating, "accept_next": step.accept_next,
+                "kind": np.array(kind),
+                "noise_std": np.array([sigma]),
+                "l2_norms": np.where(step.participating, clipped_norms, 0.0),
+                "losses": losses,
+                "participating": step.participating,
+                "accept_next": step.accept_next,
             }
             active_after = after.accepting
         halt = np.array(state["halt_round"])
@@ -327,11 +335,15 @@ class Agent:
             total = total + noise
         trust = self.config.trust
         if trust == "central" and not active_after.any() and not np.any(clipped):
-            reply = wire.ContributionReply(request.request_id, wire.REPLY_EXHAUSTED, trust, 0.0,
-                                           np.zeros(0, dtype=np.float32))
+            reply = wire.ContributionReply(
+                request.request_id, wire.REPLY_EXHAUSTED, trust, 0.0, np.zeros(0, dtype=np.float32)
+            )
         else:
             reply = wire.ContributionReply(
-                request.request_id, wire.REPLY_OK, trust, sigma if noise is not None else 0.0,
+                request.request_id,
+                wire.REPLY_OK,
+                trust,
+                sigma if noise is not None else 0.0,
                 total.astype(np.float32),
             )
         return reply, new_state, release

@@ -78,8 +78,14 @@ class MonitorReservation:
         return self.levels / self.noise_std**2 if self.kind == "tree" else 0.0
 
     def describe(self) -> dict[str, object]:
-        return {"kind": self.kind, "noise_std": self.noise_std, "max_rounds": self.max_rounds,
-                "epsilon_svt": self.epsilon_svt, "levels": self.levels, "squared_cost": self.squared_cost}
+        return {
+            "kind": self.kind,
+            "noise_std": self.noise_std,
+            "max_rounds": self.max_rounds,
+            "epsilon_svt": self.epsilon_svt,
+            "levels": self.levels,
+            "squared_cost": self.squared_cost,
+        }
 
 
 @dataclass(frozen=True)
@@ -105,8 +111,11 @@ class AgentConfig:
             open_unit("delta", self.delta)
         except PrivacyParameterError as exc:
             raise AgentConfigError(str(exc)) from exc
-        for name, value, choices in (("filter", self.filter, AGENT_FILTERS), ("unit", self.unit, UNITS),
-                                     ("trust", self.trust, TRUST_MODES)):
+        for name, value, choices in (
+            ("filter", self.filter, AGENT_FILTERS),
+            ("unit", self.unit, UNITS),
+            ("trust", self.trust, TRUST_MODES),
+        ):
             if value not in choices:
                 raise AgentConfigError(f"{name}: expected one of {choices}, got {value!r}")
         if self.filter == "realisation":
@@ -158,10 +167,27 @@ class AgentConfig:
 # --- parsing -------------------------------------------------------------------------------
 
 _KEYS = {
-    "ledger-path", "data-path", "epsilon", "delta", "filter", "unit", "trust", "rdp-order",
-    "realisation-max-rounds", "monitor", "monitor-noise-std", "monitor-max-rounds", "monitor-epsilon",
-    "policy-min-noise-std", "policy-min-noise-multiplier", "policy-max-clip", "policy-allowed-kinds",
-    "policy-allowed-trust", "policy-max-model-params", "policy-max-rounds-per-run", "noise-seed",
+    "ledger-path",
+    "data-path",
+    "epsilon",
+    "delta",
+    "filter",
+    "unit",
+    "trust",
+    "rdp-order",
+    "realisation-max-rounds",
+    "monitor",
+    "monitor-noise-std",
+    "monitor-max-rounds",
+    "monitor-epsilon",
+    "policy-min-noise-std",
+    "policy-min-noise-multiplier",
+    "policy-max-clip",
+    "policy-allowed-kinds",
+    "policy-allowed-trust",
+    "policy-max-model-params",
+    "policy-max-rounds-per-run",
+    "noise-seed",
 }
 # Keys Flower itself puts into a simulated node's config.
 _FLOWER_KEYS = {"partition-id", "num-partitions"}

@@ -22,9 +22,13 @@ def _filter_of(ledger: Ledger) -> GaussianFilter | None:
     if ledger.config.filter == "realisation":
         return None
     return GaussianFilter(
-        kind=str(described["filter"]), epsilon=float(described["epsilon"]), delta=float(described["delta"]),
-        threshold=float(described["threshold"]), reserved=float(described["reserved"]),
-        orders=tuple(described.get("orders", ())), conversion=str(described.get("conversion", "")),
+        kind=str(described["filter"]),
+        epsilon=float(described["epsilon"]),
+        delta=float(described["delta"]),
+        threshold=float(described["threshold"]),
+        reserved=float(described["reserved"]),
+        orders=tuple(described.get("orders", ())),
+        conversion=str(described.get("conversion", "")),
     )
 
 
@@ -66,15 +70,16 @@ def verify_ledger(path: Path) -> list[str]:
         filt = _filter_of(ledger)
         if filt is None:
             losses = np.zeros(ledger.config.n_units)
-            for _, message_type, release in ledger.releases():
+            for _, _, release in ledger.releases():
                 if "losses" in release:
                     losses = losses + release["losses"]
             if not np.allclose(losses, state["loss"], rtol=0, atol=1e-12):
                 problems.append("stored realised losses differ from the sum of the stored releases")
             return problems
         records = [
-            GaussianRelease(str(rel["kind"]), request_id, float(rel["noise_std"][0]), rel["l2_norms"],
-                            refused=rel["refused"])
+            GaussianRelease(
+                str(rel["kind"]), request_id, float(rel["noise_std"][0]), rel["l2_norms"], refused=rel["refused"]
+            )
             for request_id, _, rel in ledger.releases()
             if "l2_norms" in rel
         ]
@@ -86,7 +91,8 @@ def verify_ledger(path: Path) -> list[str]:
         if not np.array_equal(rebuilt.spent, stored.spent):
             worst = int(np.argmax(np.abs(rebuilt.spent - stored.spent)))
             problems.append(
-                f"unit {worst}: stored spend {stored.spent[worst]!r} but the releases add up to {rebuilt.spent[worst]!r}"
+                f"unit {worst}: stored spend {stored.spent[worst]!r} "
+                f"but the releases add up to {rebuilt.spent[worst]!r}"
             )
         if not np.array_equal(rebuilt.stopped, stored.stopped):
             problems.append(f"{int((rebuilt.stopped != stored.stopped).sum())} units' stopped flags differ from replay")

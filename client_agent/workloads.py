@@ -46,7 +46,9 @@ def gradient_rows(request: wire.GradientRequest, x: NDArray[Any], y: NDArray[Any
     return mean.reshape(1, -1).numpy().astype(np.float32)
 
 
-def indicator_rows(request: wire.IndicatorRequest, x: NDArray[Any], y: NDArray[Any], *, unit: str) -> NDArray[np.float32]:
+def indicator_rows(
+    request: wire.IndicatorRequest, x: NDArray[Any], y: NDArray[Any], *, unit: str
+) -> NDArray[np.float32]:
     """Per-unit indicator of the request's predicate (closed table :data:`protocol.messages.PREDICATES`)."""
     flat = x.reshape(len(x), -1)
     if request.predicate in ("column", "threshold") and request.column >= flat.shape[1]:

@@ -139,7 +139,11 @@ def reply_totals(reply: Message) -> wire.ContributionReply:
     """Decode a contribution reply through the shared schema."""
     content = reply.content
     config = dict(content[wire.CONFIG]) if wire.CONFIG in content.config_records else {}
-    arrays = {k: v.numpy() for k, v in content.array_records[wire.ARRAYS].items()} if wire.ARRAYS in content.array_records else {}
+    arrays = (
+        {k: v.numpy() for k, v in content.array_records[wire.ARRAYS].items()}
+        if wire.ARRAYS in content.array_records
+        else {}
+    )
     return wire.ContributionReply.decode(config, arrays)
 
 
@@ -159,16 +163,23 @@ def run_gradient(
     for rnd in range(1, cfg.rounds + 1):
         start = time.monotonic()
 
-        def content(node: int, rnd: int = rnd) -> RecordDict:
+        def content(node: int, rnd: int = rnd, params: np.ndarray = params) -> RecordDict:
             request = wire.GradientRequest(
-                request_id=f"{cfg.run_id}:r{rnd}:n{node}", run_id=cfg.run_id, round=rnd,
-                noise_std=cfg.noise_std, l2_clip=cfg.l2_clip, trust=cfg.trust, unit=cfg.unit,
-                model=cfg.model, model_args=json.dumps(json.loads(cfg.model_args), sort_keys=True),
+                request_id=f"{cfg.run_id}:r{rnd}:n{node}",
+                run_id=cfg.run_id,
+                round=rnd,
+                noise_std=cfg.noise_std,
+                l2_clip=cfg.l2_clip,
+                trust=cfg.trust,
+                unit=cfg.unit,
+                model=cfg.model,
+                model_args=json.dumps(json.loads(cfg.model_args), sort_keys=True),
                 parameters=params,
             )
             config, arrays = wire.encode_request(request)
-            return RecordDict({wire.CONFIG: ConfigRecord(config),
-                               wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()})})
+            return RecordDict(
+                {wire.CONFIG: ConfigRecord(config), wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()})}
+            )
 
         replies, errors, missing = send_round(grid, node_ids, wire.GRADIENT, content, cfg.round_timeout)
         total = np.zeros(params.size, dtype=np.float64)

@@ -70,9 +70,7 @@ def mu_budget(*, epsilon: float, delta: float) -> float:
     hi = 1.0
     while gdp_delta(mu=hi, epsilon=epsilon) < delta:
         hi *= 2.0
-    return float(
-        optimize.brentq(lambda m: gdp_delta(mu=m, epsilon=epsilon) - delta, 1e-12, hi, xtol=1e-15, rtol=1e-15)
-    )
+    return float(optimize.brentq(lambda m: gdp_delta(mu=m, epsilon=epsilon) - delta, 1e-12, hi, xtol=1e-15, rtol=1e-15))
 
 
 # --- Rényi differential privacy ----------------------------------------------------
@@ -202,6 +200,4 @@ def rho_budget(*, epsilon: float, delta: float, conversion: ZcdpConversion = "ck
     hi = epsilon
     while zcdp_delta(rho=hi, epsilon=epsilon) <= delta:
         hi *= 2.0
-    return float(
-        optimize.brentq(lambda r: zcdp_delta(rho=r, epsilon=epsilon) - delta, lo, hi, xtol=1e-15, rtol=1e-14)
-    )
+    return float(optimize.brentq(lambda r: zcdp_delta(rho=r, epsilon=epsilon) - delta, lo, hi, xtol=1e-15, rtol=1e-14))

@@ -8,7 +8,7 @@ squared budget S(u) of each unit u (see :mod:`protocol.releases`):
 | ``gdp``       | sqrt(S) <= mu_B                    | mu_B^2                          | ST; KTH                |
 | ``zcdp``      | S / 2 <= rho_B                     | 2 rho_B                         | FZ Thm 4.3, Remark 4.4 |
 | ``renyi``     | alpha S / 2 <= B_alpha (one order) | 2 B_alpha / alpha               | FZ Thm 4.3             |
-| ``renyi_multi``| some order fits, budgets at delta/|orders| | max_alpha 2 B_alpha(delta/k) / alpha | union bound over FZ's supermartingales |
+| ``renyi_multi``| some order fits, at delta/k each | max_alpha 2 B_alpha(delta/k)/alpha | union bound (k orders) |
 
 Rules (privacy.md §3): the check comes before the release (a unit takes part in a
 round only if its new S still satisfies the rule); a unit that is refused, or whose
@@ -100,7 +100,7 @@ class GaussianFilter:
         order: float | None = None,
         conversion: RdpConversion = "improved",
     ) -> GaussianFilter:
-        """Rényi filter at one order fixed in advance (FZ Thm 4.3); ``None`` picks the best order for Gaussian rounds."""
+        """Rényi filter at one order fixed in advance (FZ Thm 4.3); ``None`` picks the best one for Gaussian rounds."""
         if order is None:
             order = best_rdp_order(epsilon=epsilon, delta=delta, conversion=conversion)
         order = order_above_one("order", order)

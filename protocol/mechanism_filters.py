@@ -36,9 +36,7 @@ def _epsilons(name: str, values: Sequence[float]) -> np.ndarray:
     return arr
 
 
-def additive_allows(
-    *, epsilons: Sequence[float], deltas: Sequence[float], epsilon: float, delta: float
-) -> bool:
+def additive_allows(*, epsilons: Sequence[float], deltas: Sequence[float], epsilon: float, delta: float) -> bool:
     """Basic composition: sum eps_t <= epsilon and sum delta_t <= delta."""
     eps = _epsilons("epsilons", epsilons)
     dels = _epsilons("deltas", deltas)
@@ -110,10 +108,8 @@ def rounds_allowed(allows: Callable[[int], bool], *, limit: int = 10_000_000) ->
     return lo
 
 
-def split_approx_rounds_allowed(
-    allows_eps: Callable[[int], bool], *, delta_round: float, delta_rounds: float
-) -> int:
-    """Rounds allowed when each round is (eps_t, delta_round)-DP: the eps filter, capped by sum delta_t <= delta_rounds."""
+def split_approx_rounds_allowed(allows_eps: Callable[[int], bool], *, delta_round: float, delta_rounds: float) -> int:
+    """Rounds allowed when each round is (eps_t, delta_round)-DP: the eps filter, capped by sum delta_t."""
     by_eps = rounds_allowed(allows_eps)
-    by_delta = int(math.floor(delta_rounds / positive("delta_round", delta_round) * (1 + 1e-12)))
+    by_delta = math.floor(delta_rounds / positive("delta_round", delta_round) * (1 + 1e-12))
     return min(by_eps, by_delta)

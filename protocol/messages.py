@@ -101,7 +101,9 @@ def _real(config: Mapping[str, Any], key: str, kind: str) -> float:
     return float(value)
 
 
-def _no_extra(config: Mapping[str, Any], arrays: Mapping[str, Any], kind: str, keys: set[str], array_keys: set[str]) -> None:
+def _no_extra(
+    config: Mapping[str, Any], arrays: Mapping[str, Any], kind: str, keys: set[str], array_keys: set[str]
+) -> None:
     for key in config:
         if key not in keys:
             hint = ""
@@ -311,8 +313,12 @@ class ContributionReply:
 
     def encode(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
         return (
-            {"request_id": self.request_id, "status": self.status, "trust": self.trust,
-             "noise_added": self.noise_added},
+            {
+                "request_id": self.request_id,
+                "status": self.status,
+                "trust": self.trust,
+                "noise_added": self.noise_added,
+            },
             {"total": self.total},
         )
 

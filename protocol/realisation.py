@@ -188,7 +188,9 @@ def decide(filt: RealisationFilter, state: RealisationState, *, mu: NDArray[np.f
     if not np.all(np.isfinite(mu_arr)) or np.any(mu_arr < 0):
         raise PrivacyParameterError("mu: expected finite sensitivities >= 0")
     if np.any(mu_arr > filt.mu_max * (1.0 + 1e-12)):
-        raise PrivacyParameterError(f"mu: expected sensitivities <= mu_max = {filt.mu_max!r}, got {float(mu_arr.max())!r}")
+        raise PrivacyParameterError(
+            f"mu: expected sensitivities <= mu_max = {filt.mu_max!r}, got {float(mu_arr.max())!r}"
+        )
     participating = state.accepting.copy()
     if state.answered >= filt.max_rounds:
         participating[:] = False

@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-
 from pathlib import Path
 
 from client_agent.ledger import LedgerError
@@ -73,7 +72,11 @@ def _run_budget(args: argparse.Namespace) -> int:
     rows = [
         ("GDP (default)", f"mu_B = {filters['gdp']['mu_budget']:.6f}", filters["gdp"]["rounds"]),
         ("zCDP, CKS conversion", f"rho_B = {filters['zcdp_cks']['rho_budget']:.6f}", filters["zcdp_cks"]["rounds"]),
-        ("zCDP, BS conversion (FZ Thm 4.8)", f"rho_B = {filters['zcdp_bs']['rho_budget']:.6f}", filters["zcdp_bs"]["rounds"]),
+        (
+            "zCDP, BS conversion (FZ Thm 4.8)",
+            f"rho_B = {filters['zcdp_bs']['rho_budget']:.6f}",
+            filters["zcdp_bs"]["rounds"],
+        ),
         ("Rényi, best order fixed in advance", f"order = {filters['rdp']['order']:.4f}", filters["rdp"]["rounds"]),
     ]
     for name, budget, rounds in rows:

@@ -56,9 +56,17 @@ def make_clients(root: Path, *, trust: str) -> dict[int, dict[str, object]]:
 
 def run(per: dict[int, dict[str, object]], *, run_id: str, rounds: int, trust: str) -> dict[str, object]:
     cfg = CoordinatorConfig(
-        num_nodes=N_CLIENTS, n_public=N_CLIENTS * RECORDS, rounds=rounds, noise_std=3.0, l2_clip=1.0,
-        learning_rate=0.5, trust=trust, unit="record", model="logreg",
-        model_args=json.dumps({"in_features": 4, "n_classes": 2}), run_id=run_id,
+        num_nodes=N_CLIENTS,
+        n_public=N_CLIENTS * RECORDS,
+        rounds=rounds,
+        noise_std=3.0,
+        l2_clip=1.0,
+        learning_rate=0.5,
+        trust=trust,
+        unit="record",
+        model="logreg",
+        model_args=json.dumps({"in_features": 4, "n_classes": 2}),
+        run_id=run_id,
     )
     results: dict[str, object] = {}
     flwr_simulation.run_simulation(

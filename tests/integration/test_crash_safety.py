@@ -48,8 +48,15 @@ def setup(tmp_path: Path) -> tuple[dict[str, object], tuple[str, dict[str, objec
         "trust": "local",
     }
     request = wire.GradientRequest(
-        request_id="run:r1:n1", run_id="run", round=1, noise_std=5.0, l2_clip=1.0, trust="local", unit="record",
-        model="logreg", model_args=json.dumps({"in_features": 3, "n_classes": 2}),
+        request_id="run:r1:n1",
+        run_id="run",
+        round=1,
+        noise_std=5.0,
+        l2_clip=1.0,
+        trust="local",
+        unit="record",
+        model="logreg",
+        model_args=json.dumps({"in_features": 3, "n_classes": 2}),
         parameters=np.zeros(3 * 2 + 2, dtype=np.float32),
     )
     config, arrays = wire.encode_request(request)
@@ -61,8 +68,12 @@ def run_child(payload: object, fault: str | None) -> subprocess.CompletedProcess
     import os
 
     return subprocess.run(
-        [sys.executable, "-c", CHILD], input=pickle.dumps(payload), capture_output=True, timeout=120,
-        env={**os.environ, **env}, check=False,
+        [sys.executable, "-c", CHILD],
+        input=pickle.dumps(payload),
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, **env},
+        check=False,
     )
 
 

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from protocol.filters import FilterState, GaussianFilter, charge, clip_scales, partial_clip, rebuild
 from protocol.realisation import RealisationFilter, RealisationState, advance, decide
-from protocol.releases import GaussianRelease
 
 targets = st.tuples(st.floats(0.05, 10.0), st.floats(1e-9, 0.2))
 kinds = st.sampled_from(["gdp", "zcdp_cks", "zcdp_bs", "renyi"])
@@ -54,8 +53,14 @@ def test_never_overspends_and_stopped_stays_stopped(
 
 
 @settings(max_examples=80, deadline=None)
-@given(kind=kinds, target=targets, sigma=st.floats(0.1, 50.0), clip=st.floats(0.01, 10.0),
-       spent_fraction=st.floats(0.0, 0.999), dtype=st.sampled_from([np.float32, np.float64]))
+@given(
+    kind=kinds,
+    target=targets,
+    sigma=st.floats(0.1, 50.0),
+    clip=st.floats(0.01, 10.0),
+    spent_fraction=st.floats(0.0, 0.999),
+    dtype=st.sampled_from([np.float32, np.float64]),
+)
 def test_partial_clipping_spends_exactly_the_remainder(
     kind: str, target: tuple[float, float], sigma: float, clip: float, spent_fraction: float, dtype: type
 ) -> None:
@@ -81,8 +86,12 @@ def test_partial_clipping_spends_exactly_the_remainder(
 
 
 @settings(max_examples=40, deadline=None)
-@given(eps=st.floats(1.0, 20.0), n=st.integers(1, 60), mus=st.lists(st.floats(0.0, 0.5), min_size=1, max_size=80),
-       seed=st.integers(0, 2**31))
+@given(
+    eps=st.floats(1.0, 20.0),
+    n=st.integers(1, 60),
+    mus=st.lists(st.floats(0.0, 0.5), min_size=1, max_size=80),
+    seed=st.integers(0, 2**31),
+)
 def test_realisation_filter_stops_for_good_and_within_n(eps: float, n: int, mus: list[float], seed: int) -> None:
     filt = RealisationFilter.create(epsilon=eps, delta=1e-4, max_rounds=n, mu_max=0.5)
     rng = np.random.default_rng(seed)

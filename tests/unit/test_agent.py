@@ -25,18 +25,35 @@ def make_agent(tmp_path: Path, **overrides: Any) -> Agent:
     x = rng.normal(size=(10, 3)).astype(np.float32)
     np.savez(tmp_path / "data.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
     node_config = {
-        "ledger-path": str(tmp_path / "ledger.sqlite"), "data-path": str(tmp_path / "data.npz"),
-        "epsilon": 1.0, "delta": 1e-5, "unit": "record", "trust": "local",
-        "policy-min-noise-std": 1.0, "policy-max-clip": 2.0, "policy-max-model-params": 100,
-        "policy-max-rounds-per-run": 5, "noise-seed": 3,
+        "ledger-path": str(tmp_path / "ledger.sqlite"),
+        "data-path": str(tmp_path / "data.npz"),
+        "epsilon": 1.0,
+        "delta": 1e-5,
+        "unit": "record",
+        "trust": "local",
+        "policy-min-noise-std": 1.0,
+        "policy-max-clip": 2.0,
+        "policy-max-model-params": 100,
+        "policy-max-rounds-per-run": 5,
+        "noise-seed": 3,
     }
     node_config.update(overrides)
     return Agent(parse_agent_config(node_config))
 
 
 def gradient(request_id: str = "r1", **fields: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    base = dict(request_id=request_id, run_id="run", round=1, noise_std=2.0, l2_clip=1.0, trust="local",
-                unit="record", model="logreg", model_args=MODEL_ARGS, parameters=np.zeros(N_PARAMS, np.float32))
+    base = dict(
+        request_id=request_id,
+        run_id="run",
+        round=1,
+        noise_std=2.0,
+        l2_clip=1.0,
+        trust="local",
+        unit="record",
+        model="logreg",
+        model_args=MODEL_ARGS,
+        parameters=np.zeros(N_PARAMS, np.float32),
+    )
     base.update(fields)
     return wire.encode_request(wire.GradientRequest(**base))
 
@@ -46,32 +63,80 @@ def ledger_snapshot(agent: Agent) -> tuple[int, bytes]:
 
 
 HOSTILE = [
-    ("noise under the policy", lambda c, a: (c | {"noise_std": 0.5}, a), wire.ERR_POLICY,
-     r"noise_std 0.5 asked; the policy requires noise_std >= 1.0"),
-    ("clip over the policy", lambda c, a: (c | {"l2_clip": 3.0}, a), wire.ERR_POLICY,
-     r"l2_clip 3.0 asked; the policy allows at most 2.0"),
-    ("NaN in the model", lambda c, a: (c, {"parameters": np.full(N_PARAMS, np.nan, np.float32)}), wire.ERR_MALFORMED,
-     r"'parameters' contains NaN or infinite values"),
-    ("inf in the model", lambda c, a: (c, {"parameters": np.full(N_PARAMS, np.inf, np.float32)}), wire.ERR_MALFORMED,
-     r"'parameters' contains NaN or infinite values"),
-    ("wrong shape", lambda c, a: (c, {"parameters": np.zeros(N_PARAMS + 1, np.float32)}), wire.ERR_MALFORMED,
-     r"'parameters' must hold 8 values for model 'logreg', got 9"),
-    ("2-d parameters", lambda c, a: (c, {"parameters": np.zeros((2, 4), np.float32)}), wire.ERR_MALFORMED,
-     r"must be 1-dimensional, got shape \(2, 4\)"),
-    ("oversized", lambda c, a: (c, {"parameters": np.zeros(1000, np.float32)}), wire.ERR_POLICY,
-     r"model size 1000 parameters asked; the policy allows at most 100"),
-    ("wrong dtype", lambda c, a: (c, {"parameters": np.zeros(N_PARAMS)}), wire.ERR_MALFORMED,
-     r"must have dtype float32, got float64"),
-    ("budget change", lambda c, a: (c | {"epsilon": 100.0}, a), wire.ERR_MALFORMED,
-     r"unexpected key 'epsilon'.*budgets are fixed in the client's ledger and are never changed"),
+    (
+        "noise under the policy",
+        lambda c, a: (c | {"noise_std": 0.5}, a),
+        wire.ERR_POLICY,
+        r"noise_std 0.5 asked; the policy requires noise_std >= 1.0",
+    ),
+    (
+        "clip over the policy",
+        lambda c, a: (c | {"l2_clip": 3.0}, a),
+        wire.ERR_POLICY,
+        r"l2_clip 3.0 asked; the policy allows at most 2.0",
+    ),
+    (
+        "NaN in the model",
+        lambda c, a: (c, {"parameters": np.full(N_PARAMS, np.nan, np.float32)}),
+        wire.ERR_MALFORMED,
+        r"'parameters' contains NaN or infinite values",
+    ),
+    (
+        "inf in the model",
+        lambda c, a: (c, {"parameters": np.full(N_PARAMS, np.inf, np.float32)}),
+        wire.ERR_MALFORMED,
+        r"'parameters' contains NaN or infinite values",
+    ),
+    (
+        "wrong shape",
+        lambda c, a: (c, {"parameters": np.zeros(N_PARAMS + 1, np.float32)}),
+        wire.ERR_MALFORMED,
+        r"'parameters' must hold 8 values for model 'logreg', got 9",
+    ),
+    (
+        "2-d parameters",
+        lambda c, a: (c, {"parameters": np.zeros((2, 4), np.float32)}),
+        wire.ERR_MALFORMED,
+        r"must be 1-dimensional, got shape \(2, 4\)",
+    ),
+    (
+        "oversized",
+        lambda c, a: (c, {"parameters": np.zeros(1000, np.float32)}),
+        wire.ERR_POLICY,
+        r"model size 1000 parameters asked; the policy allows at most 100",
+    ),
+    (
+        "wrong dtype",
+        lambda c, a: (c, {"parameters": np.zeros(N_PARAMS)}),
+        wire.ERR_MALFORMED,
+        r"must have dtype float32, got float64",
+    ),
+    (
+        "budget change",
+        lambda c, a: (c | {"epsilon": 100.0}, a),
+        wire.ERR_MALFORMED,
+        r"unexpected key 'epsilon'.*budgets are fixed in the client's ledger and are never changed",
+    ),
     ("reset", lambda c, a: (c | {"reset": True}, a), wire.ERR_MALFORMED, r"unexpected key 'reset'"),
-    ("other trust", lambda c, a: (c | {"trust": "central"}, a), wire.ERR_POLICY,
-     r"trust 'central' asked; this client's ledger is fixed to trust 'local'"),
-    ("unknown trust", lambda c, a: (c | {"trust": "none"}, a), wire.ERR_MALFORMED,
-     r"'trust' must be one of \('local', 'central'\), got 'none'"),
+    (
+        "other trust",
+        lambda c, a: (c | {"trust": "central"}, a),
+        wire.ERR_POLICY,
+        r"trust 'central' asked; this client's ledger is fixed to trust 'local'",
+    ),
+    (
+        "unknown trust",
+        lambda c, a: (c | {"trust": "none"}, a),
+        wire.ERR_MALFORMED,
+        r"'trust' must be one of \('local', 'central'\), got 'none'",
+    ),
     ("unknown model", lambda c, a: (c | {"model": "os.system"}, a), wire.ERR_MALFORMED, r"model 'os.system'"),
-    ("missing key", lambda c, a: ({k: v for k, v in c.items() if k != "noise_std"}, a), wire.ERR_MALFORMED,
-     r"missing key 'noise_std'"),
+    (
+        "missing key",
+        lambda c, a: ({k: v for k, v in c.items() if k != "noise_std"}, a),
+        wire.ERR_MALFORMED,
+        r"missing key 'noise_std'",
+    ),
     ("string sigma", lambda c, a: (c | {"noise_std": "10"}, a), wire.ERR_MALFORMED, r"'noise_std' must be a number"),
 ]
 
@@ -164,17 +229,39 @@ def test_bad_agent_config() -> None:
         parse_agent_config({"ledger-path": "x", "data-path": "y", "epsilon": -1.0, "delta": 1e-5})
 
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.floats(allow_nan=True),
-                    st.text(max_size=20))
-keys = st.sampled_from(["request_id", "run_id", "round", "noise_std", "l2_clip", "trust", "unit", "model",
-                        "model_args", "predicate", "column", "value", "epsilon"]) | st.text(max_size=8)
-arrays = st.dictionaries(st.sampled_from(["parameters", "x"]), st.sampled_from([
-    np.zeros(3, np.float32), np.full(2, np.nan, np.float32), np.zeros((2, 2), np.float32), np.zeros(3)]), max_size=2)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.floats(allow_nan=True), st.text(max_size=20))
+keys = st.sampled_from(
+    [
+        "request_id",
+        "run_id",
+        "round",
+        "noise_std",
+        "l2_clip",
+        "trust",
+        "unit",
+        "model",
+        "model_args",
+        "predicate",
+        "column",
+        "value",
+        "epsilon",
+    ]
+) | st.text(max_size=8)
+arrays = st.dictionaries(
+    st.sampled_from(["parameters", "x"]),
+    st.sampled_from(
+        [np.zeros(3, np.float32), np.full(2, np.nan, np.float32), np.zeros((2, 2), np.float32), np.zeros(3)]
+    ),
+    max_size=2,
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(mtype=st.sampled_from([*wire.MESSAGE_TYPES, "train", "query.x", ""]),
-       config=st.dictionaries(keys, scalars, max_size=12), arrs=arrays)
+@given(
+    mtype=st.sampled_from([*wire.MESSAGE_TYPES, "train", "query.x", ""]),
+    config=st.dictionaries(keys, scalars, max_size=12),
+    arrs=arrays,
+)
 def test_decoder_fuzz(mtype: str, config: dict[str, Any], arrs: dict[str, np.ndarray]) -> None:
     """Any input either decodes to a valid request or raises ProtocolError (never anything else)."""
     try:
@@ -196,8 +283,20 @@ def test_ledger_show_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[st
     path = str(tmp_path / "ledger.sqlite")
     assert main(["ledger", "show", path, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    required = {"filter", "unit", "trust", "epsilon", "delta", "units_total", "units_active", "units_exhausted",
-                "spent_max", "spent_mean", "threshold", "requests_answered"}
+    required = {
+        "filter",
+        "unit",
+        "trust",
+        "epsilon",
+        "delta",
+        "units_total",
+        "units_active",
+        "units_exhausted",
+        "spent_max",
+        "spent_mean",
+        "threshold",
+        "requests_answered",
+    }
     assert required <= set(shown)
     assert shown["units_total"] == 10 and shown["requests_answered"] == 4
     assert shown["units_active"] + shown["units_exhausted"] == 10
@@ -214,16 +313,33 @@ def test_ledger_verify_detects_tampered_spend(tmp_path: Path, capsys: pytest.Cap
     # Commit a state whose spend went down (as a buggy writer would), through the ledger's own API.
     state = agent.ledger.state()
     lowered = dict(state, spent=state["spent"] * 0.5)
-    agent.ledger.commit(request_id="forged", message_type=wire.STATUS, run_id="x", digest="0" * 64,
-                        release={"kind": np.array("status")}, new_state=lowered, reply=b"")
+    agent.ledger.commit(
+        request_id="forged",
+        message_type=wire.STATUS,
+        run_id="x",
+        digest="0" * 64,
+        release={"kind": np.array("status")},
+        new_state=lowered,
+        reply=b"",
+    )
     agent.close()
     problems = verify_ledger(tmp_path / "ledger.sqlite")
     assert problems and "stored spend" in problems[0]
 
 
 def indicator(request_id: str, **fields: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    base = dict(request_id=request_id, run_id="q", round=1, noise_std=2.0, l2_clip=1.0, trust="local",
-                unit="record", predicate="column", column=0, value=0.0)
+    base = dict(
+        request_id=request_id,
+        run_id="q",
+        round=1,
+        noise_std=2.0,
+        l2_clip=1.0,
+        trust="local",
+        unit="record",
+        predicate="column",
+        column=0,
+        value=0.0,
+    )
     base.update(fields)
     return wire.encode_request(wire.IndicatorRequest(**base))
 
@@ -255,8 +371,11 @@ def test_client_units_one_filter(tmp_path: Path) -> None:
 
 def test_realisation_filter_through_the_agent(tmp_path: Path) -> None:
     # mu_max = policy-max-clip / policy-min-noise-std = 0.5.
-    agent = make_agent(tmp_path, filter="realisation", **{"realisation-max-rounds": 6, "epsilon": 5.0,
-                                                            "policy-max-clip": 1.0, "policy-min-noise-std": 2.0})
+    agent = make_agent(
+        tmp_path,
+        filter="realisation",
+        **{"realisation-max-rounds": 6, "epsilon": 5.0, "policy-max-clip": 1.0, "policy-min-noise-std": 2.0},
+    )
     for r in range(1, 9):
         outcome = agent.handle(wire.INDICATOR, *indicator(f"i{r}", round=r, run_id=f"q{r}", predicate="threshold"))
         assert not outcome.is_error, outcome.error_reason
@@ -275,7 +394,9 @@ def test_monitor_tree_reserved_and_reported_once(tmp_path: Path) -> None:
     plain = make_agent(tmp_path / "a", epsilon=3.0)
     with_monitor = make_agent(
         tmp_path / "b",
-        monitor="tree", epsilon=3.0, **{"monitor-noise-std": 4.0, "monitor-max-rounds": 16},
+        monitor="tree",
+        epsilon=3.0,
+        **{"monitor-noise-std": 4.0, "monitor-max-rounds": 16},
     )
     assert plain.gaussian is not None and with_monitor.gaussian is not None
     # S_m = L / sigma_m^2 with L = ceil(log2 16) + 1 = 5 (privacy.md §7), reserved at enrolment.
@@ -303,7 +424,9 @@ def test_status_reveals_no_spend_and_no_data_fingerprint(tmp_path: Path) -> None
     assert described["ledger"]["epsilon"] == 1.0 and described["policy"]["min_noise_std"] == 1.0
 
 
-def test_unexpected_failure_is_a_typed_error_and_spends_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unexpected_failure_is_a_typed_error_and_spends_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     agent = make_agent(tmp_path)
     before = ledger_snapshot(agent)
 
@@ -326,6 +449,7 @@ def test_state_whose_spend_goes_down_is_never_committed(tmp_path: Path) -> None:
     with pytest.raises(LedgerError, match="went down"):
         check_monotone(state, dict(state, spent=state["spent"] * 0.5))
     with pytest.raises(LedgerError, match="restarted"):
-        check_monotone(dict(state, stopped=np.ones_like(state["stopped"])),
-                       dict(state, stopped=np.zeros_like(state["stopped"])))
+        check_monotone(
+            dict(state, stopped=np.ones_like(state["stopped"])), dict(state, stopped=np.zeros_like(state["stopped"]))
+        )
     check_monotone(state, state)  # unchanged is fine

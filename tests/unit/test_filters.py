@@ -171,7 +171,7 @@ def test_clip_scales_keep_float32_norms_within_bound() -> None:
     v = rng.normal(size=(1000, 37)).astype(np.float32) * 10
     bounds = rng.uniform(0, 2, 1000)
     norms = np.linalg.norm(v.astype(np.float64), axis=1)
-    scaled = (v * clip_scales(norms, bounds, dtype_eps=float(np.finfo(np.float32).eps))[:, None].astype(np.float32))
+    scaled = v * clip_scales(norms, bounds, dtype_eps=float(np.finfo(np.float32).eps))[:, None].astype(np.float32)
     measured = np.linalg.norm(scaled.astype(np.float64), axis=1)
     assert np.all(measured <= bounds)
 

@@ -58,8 +58,9 @@ class TestRealisation:
         sigma, d = 2.0, 5
         v = np.array([[1.0, 0.0, 0.5, 0.0, 0.0]])
         mu = float(np.linalg.norm(v)) / sigma
-        losses = np.array([realised_loss(contribution=v, noise=rng.normal(0, sigma, d), noise_std=sigma)[0]
-                           for _ in range(20000)])
+        losses = np.array(
+            [realised_loss(contribution=v, noise=rng.normal(0, sigma, d), noise_std=sigma)[0] for _ in range(20000)]
+        )
         assert stats.kstest(losses, stats.norm(mu**2 / 2, mu).cdf).pvalue > 1e-3
 
     def test_records_sharing_noise(self) -> None:
@@ -105,7 +106,9 @@ class TestMechanismFilters:
         assert additive_allows(epsilons=[0.5, 0.5], deltas=[1e-6, 1e-6], epsilon=1.0, delta=2e-6)
         assert not additive_allows(epsilons=[0.5, 0.6], deltas=[0, 0], epsilon=1.0, delta=1e-6)
         assert not additive_allows(epsilons=[0.1], deltas=[2e-6], epsilon=1.0, delta=1e-6)
-        assert rounds_allowed(lambda k: additive_allows(epsilons=[0.1] * k, deltas=[0] * k, epsilon=1.0, delta=1e-5)) in (9, 10)
+        assert rounds_allowed(
+            lambda k: additive_allows(epsilons=[0.1] * k, deltas=[0] * k, epsilon=1.0, delta=1e-5)
+        ) in (9, 10)
 
     def test_rruv_formula(self) -> None:
         # Direct transcription of FZ Sec. 4.3's statement of RRUV Thm 5.1, for 3 rounds of 0.1.
