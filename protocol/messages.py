@@ -49,6 +49,18 @@ ERR_POLICY = 4003  # the request breaks the client's policy
 ERR_REPLAY = 4009  # a request id reused with other content
 ERR_LEDGER = 4010  # the ledger is corrupt, missing or mismatched: the client refuses to answer
 ERR_INTERNAL = 4050  # anything else; nothing was charged or sent
+ERROR_NAMES: dict[int, str] = {
+    ERR_MALFORMED: "malformed",
+    ERR_POLICY: "policy",
+    ERR_REPLAY: "replay",
+    ERR_LEDGER: "ledger",
+    ERR_INTERNAL: "internal",
+}
+
+
+def error_name(code: int) -> str:
+    """A readable name for an Error reply's code (Flower's own codes keep their number)."""
+    return ERROR_NAMES.get(code, f"flower-{code}")
 
 
 class ProtocolError(ValueError):
@@ -353,3 +365,22 @@ class StatusReply:
 
     def encode(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
         return {"request_id": self.request_id, "description": self.description}, {}
+
+    @classmethod
+    def decode(cls, config: Mapping[str, Any], arrays: Mapping[str, Any]) -> StatusReply:
+        kind = "status reply"
+        _no_extra(config, arrays, kind, {"request_id", "description"}, set())
+        description = _require(config, "description", kind)
+        if not isinstance(description, str):
+            raise ProtocolError(f"{kind}: 'description' must be a JSON string, got {type(description).__name__}")
+        try:
+            parsed = json.loads(description)
+        except json.JSONDecodeError as exc:
+            raise ProtocolError(f"{kind}: 'description' must be JSON, got {description[:80]!r}") from exc
+        if not isinstance(parsed, dict) or "ledger" not in parsed or "policy" not in parsed:
+            raise ProtocolError(f"{kind}: 'description' must be an object with 'ledger' and 'policy', got {parsed!r:.80}")
+        return cls(request_id=_str(config, "request_id", kind), description=description)
+
+    def parsed(self) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(self.description)
+        return out

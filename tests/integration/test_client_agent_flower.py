@@ -17,7 +17,8 @@ import pytest
 
 from client_agent.client_app import build_client_app, simulation_node_config
 from client_agent.ledger import Ledger
-from coordinator.server_app import CoordinatorConfig, build_server_app
+from coordinator.config import CoordinatorConfig
+from coordinator.server_app import build_server_app
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")

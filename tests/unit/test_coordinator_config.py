@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.server_app import CoordinatorConfig, CoordinatorConfigError, noise_rng
+from coordinator.config import CoordinatorConfig, CoordinatorConfigError
+from coordinator.rounds import noise_rng
 
-BASE = dict(num_nodes=2, n_public=10, rounds=1, noise_std=1.0, l2_clip=1.0, learning_rate=0.1)
+BASE = dict(num_nodes=2, n_public=10, rounds=1, noise_std=1.0, l2_clip=1.0, learning_rate=0.1, progress=False)
 
 
 def test_central_noise_is_unpredictable_by_default() -> None:

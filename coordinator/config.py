@@ -1,0 +1,134 @@
+"""The coordinator's run configuration, validated at construction with errors that name the key.
+
+Read from Flower's run config (``[tool.flwr.app.config]`` and ``flwr run -c 'key=value'``,
+keys with dashes) or built directly by a simulation (``run_simulation`` passes an empty
+run config, architecture.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import messages as wire
+
+TASKS: tuple[str, ...] = ("gradient", "indicator")
+MONITORS: tuple[str, ...] = ("none", "svt", "tree")
+
+
+class CoordinatorConfigError(ValueError):
+    """The run configuration is missing a key or has a bad value."""
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """What one run does.
+
+    ``rounds`` is the maximum number of rounds (queries, for the indicator task); the run
+    stops earlier when the monitor reports that fewer than ``monitor_threshold`` units are
+    active, or when the analyst has no further query. ``n_public`` is the number of enrolled
+    units, the public divisor of every average (privacy.md §4).
+    """
+
+    num_nodes: int
+    n_public: int
+    rounds: int
+    noise_std: float
+    l2_clip: float
+    task: str = "gradient"
+    learning_rate: float = 0.1
+    trust: str = "local"
+    unit: str = "record"
+    model: str = "logreg"
+    model_args: str = "{}"
+    seed: int = 0  # model initialisation and the analyst's choices; never the noise
+    run_id: str = "run"
+    # The active-set monitor (privacy.md §7): 'svt' in central trust, 'tree' in local trust.
+    monitor: str = "none"
+    monitor_threshold: int = 0  # stop once the monitor says fewer than this many units are active
+    monitor_epsilon: float = 0.0  # svt: epsilon_svt = epsilon_1 + epsilon_2, reserved on every client
+    analyst: str = "sweep"  # indicator task: 'sweep', 'refine' or 'cycle' (coordinator.analysts)
+    query_columns: int = 0  # indicator task: how many columns the analyst may ask about (0: as many as rounds)
+    accuracy_beta: float = 0.05  # indicator task: all stated error bounds hold together w.p. 1 - beta
+    eval_every: int = 0  # evaluate on server-side test data every k rounds (0: never)
+    test_data: str = ""  # .npz with x, y (deployment; simulations pass an evaluate callable)
+    checkpoint_every: int = 0  # save the model every k rounds and at the end (needs output_dir)
+    output_dir: str = ""  # rounds.jsonl, summary.json, checkpoints/ (empty: keep in memory only)
+    progress: bool = True
+    # Central-trust noise and the SVT's noise come from OS entropy. A fixed seed makes them
+    # reproducible by anyone who knows it, which undoes the privacy: simulations and tests only.
+    noise_seed: int | None = None
+    round_timeout: float = 120.0
+    enrol_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_nodes", "n_public", "rounds"):
+            _int_at_least(name, getattr(self, name), 1)
+        for name in ("monitor_threshold", "query_columns", "eval_every", "checkpoint_every", "seed"):
+            _int_at_least(name, getattr(self, name), 0)
+        for name in ("noise_std", "l2_clip", "learning_rate", "round_timeout", "enrol_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise CoordinatorConfigError(f"{name}: expected a finite number > 0, got {value!r}")
+        for name, value, choices in (
+            ("task", self.task, TASKS),
+            ("trust", self.trust, wire.TRUST_MODES),
+            ("unit", self.unit, wire.UNITS),
+            ("monitor", self.monitor, MONITORS),
+        ):
+            if value not in choices:
+                raise CoordinatorConfigError(f"{name}: expected one of {choices}, got {value!r}")
+        if not 0 < self.accuracy_beta < 1:
+            raise CoordinatorConfigError(f"accuracy_beta: expected a number in (0, 1), got {self.accuracy_beta!r}")
+        try:
+            parsed = json.loads(self.model_args)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise CoordinatorConfigError(f"model_args: expected a JSON object, got {self.model_args!r}") from exc
+        if not isinstance(parsed, dict):
+            raise CoordinatorConfigError(f"model_args: expected a JSON object, got {self.model_args!r}")
+        if self.monitor == "svt" and self.trust != "central":
+            raise CoordinatorConfigError("monitor: 'svt' runs on exact counts and needs trust 'central'; use 'tree'")
+        if self.monitor == "tree" and self.trust != "local":
+            raise CoordinatorConfigError("monitor: 'tree' is the local-trust monitor; central trust uses 'svt'")
+        if self.monitor == "svt":
+            eps = self.monitor_epsilon
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+                raise CoordinatorConfigError(f"monitor_epsilon: expected a finite number > 0 with svt, got {eps!r}")
+        if self.monitor != "none" and self.monitor_threshold < 1:
+            raise CoordinatorConfigError(
+                f"monitor_threshold: expected an integer >= 1 with monitor {self.monitor!r}, got {self.monitor_threshold}"
+            )
+        if self.eval_every and self.task != "gradient":
+            raise CoordinatorConfigError("eval_every: evaluation applies to the gradient task only")
+        if self.checkpoint_every and not self.output_dir:
+            raise CoordinatorConfigError("checkpoint_every: checkpoints need output_dir")
+
+    @property
+    def canonical_model_args(self) -> str:
+        return json.dumps(json.loads(self.model_args), sort_keys=True)
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> CoordinatorConfig:
+        """From Flower's run config: keys with dashes; ``noise-seed`` < 0 means none (TOML has no null)."""
+        known = {f.replace("_", "-"): f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(run_config) - set(known))
+        if unknown:
+            raise CoordinatorConfigError(f"run config: unknown keys {unknown}; expected keys among {sorted(known)}")
+        kwargs = {known[k]: v for k, v in run_config.items()}
+        if isinstance(kwargs.get("noise_seed"), int) and kwargs["noise_seed"] < 0:
+            kwargs["noise_seed"] = None
+        if isinstance(kwargs.get("model_args"), Mapping):
+            kwargs["model_args"] = json.dumps(dict(kwargs["model_args"]))
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:
+            raise CoordinatorConfigError(f"run config: {exc}") from exc
+
+
+def _int_at_least(name: str, value: object, lower: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lower:
+        raise CoordinatorConfigError(f"{name}: expected an integer >= {lower}, got {value!r}")
+    return value

@@ -1,0 +1,40 @@
+"""Server-side evaluation of the model on public test data (no client data, so no privacy cost)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from coordinator.config import CoordinatorConfig, CoordinatorConfigError
+from protocol.models import build_model, load_flat_parameters
+
+
+def model_evaluator(cfg: CoordinatorConfig, x: np.ndarray, y: np.ndarray):  # type: ignore[no-untyped-def]
+    """A callable from flat parameters to ``{"accuracy", "loss"}`` on (x, y)."""
+    model = build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args))
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    yt = torch.from_numpy(np.ascontiguousarray(y).astype(np.int64))
+
+    def evaluate(parameters: np.ndarray) -> dict[str, float]:
+        load_flat_parameters(model, parameters)
+        with torch.no_grad():
+            logits = model(xt)
+            loss = torch.nn.functional.cross_entropy(logits, yt).item()
+            accuracy = (logits.argmax(dim=1) == yt).double().mean().item()
+        return {"accuracy": accuracy, "loss": loss}
+
+    return evaluate
+
+
+def load_test_data(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` and ``y`` from an .npz file named by the run config's ``test-data``."""
+    try:
+        with np.load(Path(path), allow_pickle=False) as data:
+            if "x" not in data.files or "y" not in data.files:
+                raise CoordinatorConfigError(f"test_data: expected arrays 'x' and 'y' in {path}, found {data.files}")
+            return data["x"], data["y"]
+    except FileNotFoundError as exc:
+        raise CoordinatorConfigError(f"test_data: no file at {path}") from exc

@@ -1,0 +1,113 @@
+"""The active-set monitor, coordinator side (privacy.md §7): is the active count still >= T?
+
+Both monitors read what the clients' ``query.monitor`` replies hold and nothing else;
+their cost is reserved in every unit's filter at enrolment (client_agent.config.MonitorReservation).
+
+- :class:`SvtMonitor` (central trust): the sparse vector technique on the exact active
+  count, LSL Alg. 1 with c = 1 (stop at the first "below").
+- :class:`TreeMonitor` (local trust): the binary-tree counter over halt events (DNPR;
+  Chan, Shi & Song); its prefix sums give an estimate of the active count every round and
+  the threshold test is post-processing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+from scipy.stats import norm
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One round's monitor output: whether the count fell below T, and an estimate when the monitor gives one."""
+
+    below: bool
+    active_estimate: float | None = None
+    estimate_std: float | None = None
+
+
+class SvtMonitor:
+    """LSL Alg. 1 on q_t = -(active count), threshold -T, sensitivity 1, c = 1.
+
+    Privacy (LSL Thm 2 and Sec. 4.2): the threshold noise rho ~ Lap(1/eps_1) is drawn once;
+    each check draws nu_t ~ Lap(c/eps_2). The active count is monotone in t for every pair
+    of neighbours (a unit's halt only ever lowers D's count relative to D', whose unit is
+    the null element and never halts), so Lap(c/eps_2) suffices rather than Lap(2c/eps_2).
+    The run costs eps_svt = eps_1 + eps_2 (pure DP) whatever the number of checks, and
+    stops at the first "below". Split: LSL's optimal ratio eps_1 : eps_2 = 1 : c^(2/3) for
+    monotone queries, which is 1 : 1 at c = 1.
+    """
+
+    def __init__(self, *, threshold: int, epsilon: float, rng: np.random.Generator) -> None:
+        if not math.isfinite(epsilon) or epsilon <= 0:
+            raise ValueError(f"epsilon: expected a finite number > 0, got {epsilon!r}")
+        self.threshold = threshold
+        self.epsilon_threshold = epsilon / 2.0
+        self.epsilon_query = epsilon / 2.0
+        self._rng = rng
+        self._rho = float(rng.laplace(0.0, 1.0 / self.epsilon_threshold))
+        self.halted = False
+
+    def check(self, exact_count: float) -> Verdict:
+        """Answer "below" when -count + nu >= -T + rho; after the first "below" the SVT is spent."""
+        if self.halted:
+            raise RuntimeError("the sparse vector already answered 'below'; re-arming needs a new reservation")
+        nu = float(self._rng.laplace(0.0, 1.0 / self.epsilon_query))
+        below = -exact_count + nu >= -self.threshold + self._rho
+        self.halted = below
+        return Verdict(below=below)
+
+
+def dyadic_nodes(t: int) -> list[tuple[int, int]]:
+    """The (level, end) tree nodes whose intervals (end - 2^level, end] partition (0, t]."""
+    out = []
+    start = 0
+    for level in reversed(range(t.bit_length())):
+        if t & (1 << level):
+            start += 1 << level
+            out.append((level, start))
+    return out
+
+
+class TreeMonitor:
+    """Prefix sums over the clients' noisy halt counts (binary-tree counter, DNPR).
+
+    Round t's replies hold, per level i, the client's number of halts in (t - 2^i, t] plus
+    N(0, sigma_m^2) when 2^i divides t (pure noise otherwise; the shape never varies). The
+    coordinator sums them over clients into the tree's node (i, t) and estimates the number
+    of halts in (0, t] from the ceil(log2 t)-or-fewer nodes that partition it. The estimate's
+    noise std is sigma_m sqrt(sum over those nodes of the clients that reported them); a client
+    that missed a round leaves its halts out of that node (the estimate errs towards "more active").
+    """
+
+    def __init__(self, *, threshold: int, n_units: int, levels: int) -> None:
+        self.threshold = threshold
+        self.n_units = n_units
+        self.levels = levels
+        self._nodes: dict[tuple[int, int], tuple[float, float]] = {}  # (level, end) -> (sum, noise variance)
+
+    def add_round(self, t: int, reports: list[tuple[NDArray[np.float32], float]]) -> Verdict:
+        """Fold round t's replies (noisy level counts, the client's sigma_m) into the tree and test the threshold."""
+        for level in range(self.levels):
+            if t % (1 << level) == 0:
+                total = float(sum(float(counts[level]) for counts, _ in reports))
+                variance = float(sum(std * std for _, std in reports))
+                self._nodes[(level, t)] = (total, variance)
+        halted = 0.0
+        variance = 0.0
+        for node in dyadic_nodes(t):
+            if node not in self._nodes:
+                raise RuntimeError(f"tree node {node} was never reported: rounds must be reported in order from 1")
+            value, var = self._nodes[node]
+            halted += value
+            variance += var
+        estimate = self.n_units - halted
+        return Verdict(below=estimate < self.threshold, active_estimate=estimate, estimate_std=math.sqrt(variance))
+
+
+def gaussian_bound(*, noise_std: float, queries: int, beta: float) -> float:
+    """Half-width h with P(max over ``queries`` answers of |N(0, noise_std^2)| > h) <= beta (union bound)."""
+    return float(noise_std * norm.isf(beta / (2.0 * queries)))

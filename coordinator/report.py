@@ -1,0 +1,110 @@
+"""What a run writes: a JSON line per round, ``summary.json``, checkpoints, and a progress display.
+
+Everything here comes from noised sums, the monitor, public configuration and the
+clients' replies as aggregates: no node id and no per-client value is stored or logged
+(privacy.md §8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON to a temporary file, fsync, rename: a reader never sees half a summary."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True, default=_json_default)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class Progress:
+    """One status line per round: redrawn in place on a terminal, every ~5% of the run otherwise."""
+
+    def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool = True) -> None:
+        self.total = total
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = max(1, total // 20)
+        self.start = time.monotonic()
+
+    def update(self, done: int, fields: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        width = 24
+        filled = int(width * done / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        elapsed = time.monotonic() - self.start
+        extra = " ".join(f"{k}={_short(v)}" for k, v in fields.items() if v is not None)
+        line = f"[{bar}] round {done}/{self.total} {elapsed:6.1f}s {extra}"
+        if self.tty:
+            self.stream.write("\r" + line[:160].ljust(160))
+            self.stream.flush()
+        elif done % self.every == 0 or done == self.total:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def finish(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\n")
+        self.stream.write(message + "\n")
+        self.stream.flush()
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class RunWriter:
+    """``rounds.jsonl`` (appended and flushed each round) and ``summary.json`` under ``output_dir``."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.dir = Path(output_dir) if output_dir else None
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "rounds.jsonl").write_text("")
+
+    def round(self, line: dict[str, Any]) -> None:
+        if self.dir is None:
+            return
+        with open(self.dir / "rounds.jsonl", "a") as fh:
+            fh.write(json.dumps(line, sort_keys=True, default=_json_default) + "\n")
+            fh.flush()
+
+    def checkpoint(self, rnd: int, parameters: np.ndarray) -> str | None:
+        if self.dir is None:
+            return None
+        folder = self.dir / "checkpoints"
+        folder.mkdir(exist_ok=True)
+        path = folder / f"round_{rnd:05d}.npz"
+        tmp = folder / f".round_{rnd:05d}.tmp.npz"
+        np.savez(tmp, parameters=parameters, round=np.array(rnd))
+        os.replace(tmp, path)
+        return str(path)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        if self.dir is not None:
+            write_json_atomic(self.dir / "summary.json", summary)

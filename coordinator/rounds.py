@@ -1,0 +1,439 @@
+"""The coordinator's run: enrolment, rounds, the active-set monitor, stopping, reporting.
+
+Gradient task: federated GD with filtering (FZ Alg. 3 over units). Each round broadcasts the
+model, collects each client's sum of its units' clipped gradients, adds N(0, sigma^2 I) once
+in central trust (in local trust every client did), divides by the public number of enrolled
+units n (never by a count of who is active, privacy.md §4) and takes a step.
+
+Indicator task: adaptive sparse counting queries (FZ Thm 1.2; the Gaussian filter of FZ
+Cor. 4.7). An analyst maps past answers to the next predicate; each round releases the noisy
+count. Each answer carries the error bound for the units still active: the released value
+minus the sum of the active units' (clipped) indicators is the sum of the Gaussian noise, of
+std sigma_rel (sigma in central trust, sigma sqrt(#clients that added noise) in local), so
+with the union bound over the run's at most ``rounds`` queries every answer is within
+sigma_rel z(beta / (2 rounds)) of that sum, all together with probability >= 1 - beta.
+(Derived from the Gaussian tail and a union bound; a unit that has stopped contributes 0,
+and a unit in its last, partially clipped round contributes its clipped value.)
+
+Robust rounds: missing replies and error replies (counted by code and by reason) do not stop
+a round; n is public, so the privacy statement does not change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+import numpy as np
+
+from coordinator.analysts import Analyst, Answer, Query, build_analyst
+from coordinator.config import CoordinatorConfig
+from coordinator.monitor import SvtMonitor, TreeMonitor, Verdict, gaussian_bound
+from coordinator.report import Progress, RunWriter
+from coordinator.transport import RoundReplies, Transport
+from protocol import messages as wire
+from protocol.filters import GaussianFilter, rounds_within
+from protocol.models import build_model, flatten_parameters
+
+Evaluate = Callable[[np.ndarray], dict[str, float]]
+
+
+class EnrolmentError(RuntimeError):
+    """The clients' accepted configuration does not cover what the run would do."""
+
+
+def noise_rng(cfg: CoordinatorConfig) -> np.random.Generator:
+    """Central-trust and SVT noise: OS entropy unless a simulation fixed ``noise_seed``."""
+    return np.random.default_rng() if cfg.noise_seed is None else np.random.default_rng(cfg.noise_seed)
+
+
+# --- enrolment ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Enrolment:
+    """Who takes part and what every one of them accepted (public configuration from their status replies)."""
+
+    nodes: list[int]
+    units_enrolled: int
+    privacy: dict[str, Any]
+    worst_case_threshold: float  # the GDP threshold at the weakest client's (epsilon, delta), monitor reserved
+    monitor_levels: int
+    excluded: dict[str, int] = field(default_factory=dict)
+
+
+def _monitor_matches(cfg: CoordinatorConfig, reserved: dict[str, Any]) -> str | None:
+    """Why a client's reservation does not cover the run's monitor, or None when it does."""
+    kind = reserved.get("kind")
+    if kind != cfg.monitor:
+        return f"monitor {cfg.monitor!r} asked; the client reserved {kind!r}"
+    if cfg.monitor == "svt" and not float(reserved.get("epsilon_svt", 0.0)) >= cfg.monitor_epsilon:
+        return f"svt epsilon {cfg.monitor_epsilon} asked; the client reserved {reserved.get('epsilon_svt')}"
+    if cfg.monitor == "tree" and int(reserved.get("max_rounds", 0)) < cfg.rounds:
+        return f"{cfg.rounds} monitor rounds asked; the client's tree covers {reserved.get('max_rounds')}"
+    return None
+
+
+def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
+    """Ask every node what it accepted; refuse to run when a client's ledger does not cover the run.
+
+    A client whose ledger is fixed to another trust mode, unit or monitor would refuse every
+    request; a monitor the clients did not reserve would be an unaccounted release
+    (privacy.md §7), so the run does not start.
+    """
+    nodes = transport.node_ids(cfg.num_nodes, timeout=cfg.enrol_timeout)
+    payloads = {
+        node: wire.encode_request(wire.StatusRequest(f"{cfg.run_id}:status:n{node}", cfg.run_id, 0)) for node in nodes
+    }
+    got = transport.send(wire.STATUS, payloads, timeout=cfg.round_timeout)
+    excluded: Counter[str] = Counter(got.errors)
+    excluded["missing"] += got.missing
+    statuses: dict[int, dict[str, Any]] = {}
+    for node, (config, arrays) in got.replies.items():
+        try:
+            statuses[node] = wire.StatusReply.decode(config, arrays).parsed()
+        except wire.ProtocolError:
+            excluded["malformed-status"] += 1
+    if not statuses:
+        raise EnrolmentError(f"no client enrolled: {dict(excluded)}; reasons: {dict(got.reasons)}")
+    mismatches: list[str] = []
+    for status in statuses.values():
+        ledger = status["ledger"]
+        for key, want in (("trust", cfg.trust), ("unit", cfg.unit)):
+            if ledger.get(key) != want:
+                mismatches.append(f"{key} {want!r} asked; a client's ledger is fixed to {ledger.get(key)!r}")
+        why = _monitor_matches(cfg, ledger.get("params", {}).get("monitor", {}))
+        if why:
+            mismatches.append(why)
+    if mismatches:
+        raise EnrolmentError("the clients did not accept this run: " + "; ".join(sorted(set(mismatches))))
+    ledgers = [s["ledger"] for s in statuses.values()]
+    epsilon = max(float(lg["epsilon"]) for lg in ledgers)
+    delta = max(float(lg["delta"]) for lg in ledgers)
+    filters = sorted({str(lg["filter"]) for lg in ledgers})
+    monitors = [lg["params"]["monitor"] for lg in ledgers]
+    monitor_reserved: dict[str, Any] = {"kind": cfg.monitor}
+    levels = 0
+    worst_eps = min(float(lg["epsilon"]) for lg in ledgers)
+    worst_delta = min(float(lg["delta"]) for lg in ledgers)
+    squared_reserved = 0.0
+    if cfg.monitor == "svt":
+        worst_eps -= cfg.monitor_epsilon
+        monitor_reserved.update(
+            epsilon_svt=cfg.monitor_epsilon,
+            epsilon_threshold=cfg.monitor_epsilon / 2,
+            epsilon_query=cfg.monitor_epsilon / 2,
+            threshold=cfg.monitor_threshold,
+            rule="split (epsilon - epsilon_svt, delta) for the filter and (epsilon_svt, 0) for the SVT",
+        )
+    elif cfg.monitor == "tree":
+        levels = max(int(m["levels"]) for m in monitors)
+        squared_reserved = max(float(m["squared_cost"]) for m in monitors)
+        monitor_reserved.update(
+            noise_std=min(float(m["noise_std"]) for m in monitors),
+            levels=levels,
+            squared_cost=squared_reserved,
+            max_rounds=min(int(m["max_rounds"]) for m in monitors),
+            threshold=cfg.monitor_threshold,
+            rule="T <- T - L / sigma_m^2 in every unit's filter",
+        )
+    worst = GaussianFilter.gdp(epsilon=worst_eps, delta=worst_delta)
+    if squared_reserved:
+        worst = worst.reserve(squared_budget=squared_reserved)
+    units = sum(int(lg["n_units"]) for lg in ledgers)
+    privacy = {
+        "epsilon": epsilon,
+        "delta": delta,
+        "filter": filters[0] if len(filters) == 1 else filters,
+        "unit": cfg.unit,
+        "trust": cfg.trust,
+        "monitor_reserved": monitor_reserved,
+        "clients_enrolled": len(statuses),
+        "statement": _statement(cfg, epsilon, delta, filters, len(statuses)),
+    }
+    return Enrolment(
+        nodes=sorted(statuses),
+        units_enrolled=units,
+        privacy=privacy,
+        worst_case_threshold=worst.threshold,
+        monitor_levels=levels,
+        excluded={k: v for k, v in excluded.items() if v},
+    )
+
+
+def _statement(cfg: CoordinatorConfig, epsilon: float, delta: float, filters: list[str], clients: int) -> str:
+    who = "Every record held by" if cfg.unit == "record" else "Every one of"
+    where = (
+        "each client added its own Gaussian noise before anything left it (local trust)"
+        if cfg.trust == "local"
+        else "the coordinator added the Gaussian noise once to the sum (central trust)"
+    )
+    monitor = {
+        "none": "no active-set monitor ran",
+        "svt": f"the sparse-vector monitor (epsilon_svt = {cfg.monitor_epsilon:g}) is included",
+        "tree": "the binary-tree monitor's cost was reserved in every filter and is included",
+    }[cfg.monitor]
+    return (
+        f"{who} the {clients} enrolled clients has ({epsilon:g}, {delta:g})-differential privacy for everything "
+        f"this run released, enforced by its own {'/'.join(filters)} filter on its realised spend; {where}; "
+        f"{monitor}."
+    )
+
+
+# --- rounds --------------------------------------------------------------------------------
+
+
+@dataclass
+class RoundLog:
+    """One line of ``rounds.jsonl``: aggregates only, never a node id or a per-client value."""
+
+    round: int
+    task: str
+    replies: int
+    errors: dict[str, int]
+    error_reasons: dict[str, int]
+    missing: int
+    noise_std: float  # sigma of each release (per client in local trust)
+    release_noise_std: float  # std of the noise in the released sum
+    duration_s: float
+    monitor: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    query: dict[str, Any] | None = None
+    answer: float | None = None
+    bound: float | None = None
+
+
+def _sum_replies(got: RoundReplies, size: int, errors: Counter[str]) -> tuple[np.ndarray, float]:
+    """Sum the decoded contributions; the total noise variance the clients added."""
+    total = np.zeros(size, dtype=np.float64)
+    noise_var = 0.0
+    for config, arrays in got.replies.values():
+        try:
+            reply = wire.ContributionReply.decode(config, arrays)
+        except wire.ProtocolError:
+            errors["malformed-reply"] += 1
+            continue
+        if reply.status == wire.REPLY_EXHAUSTED:  # central trust only: contributes nothing
+            continue
+        if reply.total.size != size:
+            errors["wrong-shape"] += 1
+            continue
+        total += reply.total
+        noise_var += reply.noise_added**2
+    return total, noise_var
+
+
+def _monitor_round(
+    transport: Transport,
+    cfg: CoordinatorConfig,
+    nodes: list[int],
+    rnd: int,
+    monitor: SvtMonitor | TreeMonitor,
+    errors: Counter[str],
+) -> Verdict:
+    payloads = {
+        node: wire.encode_request(wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}:n{node}", cfg.run_id, rnd, cfg.trust))
+        for node in nodes
+    }
+    got = transport.send(wire.MONITOR, payloads, timeout=cfg.round_timeout)
+    for name, count in got.errors.items():
+        errors[f"monitor-{name}"] += count
+    reports: list[tuple[np.ndarray, float]] = []
+    for config, arrays in got.replies.values():
+        try:
+            reply = wire.ContributionReply.decode(config, arrays)
+        except wire.ProtocolError:
+            errors["monitor-malformed-reply"] += 1
+            continue
+        reports.append((reply.total, reply.noise_added))
+    if isinstance(monitor, SvtMonitor):
+        return monitor.check(float(sum(float(r[0].sum()) for r in reports)))
+    good = [r for r in reports if r[0].size == monitor.levels]
+    if len(good) < len(reports):
+        errors["monitor-wrong-shape"] += len(reports) - len(good)
+    return monitor.add_round(rnd, good)
+
+
+def run(
+    transport: Transport,
+    cfg: CoordinatorConfig,
+    *,
+    analyst: Analyst | None = None,
+    evaluate: Evaluate | None = None,
+    progress_stream: TextIO | None = None,
+) -> dict[str, Any]:
+    """Run the configured task to its stop; returns the summary (also written to ``output_dir``)."""
+    started = time.monotonic()
+    rng = noise_rng(cfg)
+    writer = RunWriter(cfg.output_dir)
+    enrolment = enrol(transport, cfg)
+    nodes = enrolment.nodes
+    monitor: SvtMonitor | TreeMonitor | None = None
+    if cfg.monitor == "svt":
+        monitor = SvtMonitor(threshold=cfg.monitor_threshold, epsilon=cfg.monitor_epsilon, rng=rng)
+    elif cfg.monitor == "tree":
+        monitor = TreeMonitor(threshold=cfg.monitor_threshold, n_units=cfg.n_public, levels=enrolment.monitor_levels)
+    progress = Progress(cfg.rounds, stream=progress_stream, enabled=cfg.progress)
+
+    params = np.zeros(1, dtype=np.float32)
+    if cfg.task == "gradient":
+        params = flatten_parameters(build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args)))
+        params = params.astype(np.float32)
+    elif analyst is None:
+        analyst = build_analyst(cfg.analyst, rounds=cfg.rounds, columns=cfg.query_columns or cfg.rounds)
+    answers: list[Answer] = []
+    logs: list[RoundLog] = []
+    errors_total: Counter[str] = Counter()
+    metrics: dict[str, float] = {}
+    checkpoint: str | None = None
+    stopped_because = "max_rounds"
+
+    for rnd in range(1, cfg.rounds + 1):
+        t0 = time.monotonic()
+        query: Query | None = None
+        if cfg.task == "indicator":
+            assert analyst is not None
+            query = analyst(list(answers))
+            if query is None:
+                stopped_because = "analyst_done"
+                break
+        payloads = {node: wire.encode_request(_request(cfg, rnd, node, params, query)) for node in nodes}
+        kind = wire.GRADIENT if cfg.task == "gradient" else wire.INDICATOR
+        got = transport.send(kind, payloads, timeout=cfg.round_timeout)
+        errors: Counter[str] = Counter(got.errors)
+        total, noise_var = _sum_replies(got, params.size if cfg.task == "gradient" else 1, errors)
+        if cfg.trust == "central":
+            total += rng.normal(0.0, cfg.noise_std, total.size)
+            noise_var = cfg.noise_std**2
+        log = RoundLog(
+            round=rnd,
+            task=cfg.task,
+            replies=len(got.replies),
+            errors=dict(errors),
+            error_reasons=dict(got.reasons),
+            missing=got.missing,
+            noise_std=cfg.noise_std,
+            release_noise_std=math.sqrt(noise_var),
+            duration_s=0.0,
+        )
+        if cfg.task == "gradient":
+            params = (params - cfg.learning_rate * total / cfg.n_public).astype(np.float32)
+            if evaluate is not None and cfg.eval_every and rnd % cfg.eval_every == 0:
+                metrics = evaluate(params)
+                log.metrics = metrics
+            if cfg.checkpoint_every and rnd % cfg.checkpoint_every == 0:
+                checkpoint = writer.checkpoint(rnd, params)
+        else:
+            assert query is not None
+            bound = gaussian_bound(noise_std=max(log.release_noise_std, 1e-300), queries=cfg.rounds, beta=cfg.accuracy_beta)
+            answer = Answer(rnd, query, float(total[0]), bound)
+            answers.append(answer)
+            log.query, log.answer, log.bound = asdict(query), answer.value, bound
+        verdict = None
+        if monitor is not None:
+            verdict = _monitor_round(transport, cfg, nodes, rnd, monitor, errors)
+            log.errors = dict(errors)
+            log.monitor = {
+                "kind": cfg.monitor,
+                "below": verdict.below,
+                "active_estimate": verdict.active_estimate,
+                "estimate_std": verdict.estimate_std,
+            }
+        log.duration_s = time.monotonic() - t0
+        errors_total.update(errors)
+        logs.append(log)
+        writer.round(asdict(log))
+        progress.update(
+            rnd,
+            {
+                "active~": None if verdict is None else verdict.active_estimate,
+                "below": None if verdict is None else verdict.below,
+                **{k: v for k, v in log.metrics.items()},
+                "errors": sum(errors.values()) or None,
+            },
+        )
+        if verdict is not None and verdict.below:
+            stopped_because = "monitor"
+            break
+
+    if cfg.task == "gradient" and logs:
+        if evaluate is not None and (not logs[-1].metrics):
+            metrics = evaluate(params)
+            logs[-1].metrics = metrics
+        if cfg.output_dir:
+            checkpoint = writer.checkpoint(logs[-1].round, params)
+    summary: dict[str, Any] = {
+        "run_id": cfg.run_id,
+        "task": cfg.task,
+        "privacy": enrolment.privacy,
+        "rounds_completed": len(logs),
+        "stopped_because": stopped_because,
+        "final_metrics": metrics,
+        "n_public": cfg.n_public,
+        "units_enrolled": enrolment.units_enrolled,
+        "clients_excluded": enrolment.excluded,
+        "errors_total": dict(errors_total),
+        "duration_s": time.monotonic() - started,
+        "config": {k: v for k, v in asdict(cfg).items() if k != "noise_seed"},
+    }
+    if cfg.task == "indicator":
+        sensitivity = min(cfg.l2_clip, 1.0) if cfg.unit == "record" else cfg.l2_clip
+        summary["queries_answered"] = len(answers)
+        summary["worst_case_queries"] = rounds_within(enrolment.worst_case_threshold, (sensitivity / cfg.noise_std) ** 2)
+        summary["accuracy"] = {
+            "beta": cfg.accuracy_beta,
+            "rule": "answer - (sum of the active units' clipped indicators) is within bound, "
+            "for all answers together with probability >= 1 - beta (Gaussian tail, union bound over rounds)",
+        }
+        summary["answers"] = [
+            {"round": a.round, **asdict(a.query), "value": a.value, "bound": a.bound} for a in answers
+        ]
+        summary["final_metrics"] = {"queries_answered": float(len(answers))}
+    if checkpoint:
+        summary["checkpoint"] = checkpoint
+    writer.summary(summary)
+    progress.finish(
+        f"run {cfg.run_id}: {len(logs)} rounds, stopped because {stopped_because}; "
+        f"({enrolment.privacy['epsilon']:g}, {enrolment.privacy['delta']:g})-DP per {cfg.unit}"
+    )
+    if cfg.task == "gradient":
+        summary["parameters"] = params
+    summary["rounds"] = [asdict(log) for log in logs]
+    return summary
+
+
+def _request(
+    cfg: CoordinatorConfig, rnd: int, node: int, params: np.ndarray, query: Query | None
+) -> wire.GradientRequest | wire.IndicatorRequest:
+    request_id = f"{cfg.run_id}:{cfg.task}:r{rnd}:n{node}"
+    if cfg.task == "gradient":
+        return wire.GradientRequest(
+            request_id=request_id,
+            run_id=cfg.run_id,
+            round=rnd,
+            noise_std=cfg.noise_std,
+            l2_clip=cfg.l2_clip,
+            trust=cfg.trust,
+            unit=cfg.unit,
+            model=cfg.model,
+            model_args=cfg.canonical_model_args,
+            parameters=params,
+        )
+    assert query is not None
+    return wire.IndicatorRequest(
+        request_id=request_id,
+        run_id=cfg.run_id,
+        round=rnd,
+        noise_std=cfg.noise_std,
+        l2_clip=cfg.l2_clip,
+        trust=cfg.trust,
+        unit=cfg.unit,
+        predicate=query.predicate,
+        column=query.column,
+        value=float(query.value),
+    )

@@ -1,0 +1,35 @@
+"""Build a one-machine federation: each client's data file and agent configuration under one folder."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def write_clients(
+    root: Path, parts: Sequence[tuple[np.ndarray, np.ndarray]], **agent: Any
+) -> dict[int, dict[str, Any]]:
+    """Write ``data{i}.npz`` per client and return the per-partition agent configs (node-config keys).
+
+    ``agent`` holds node-config keys with underscores or dashes (``epsilon=3``, ``monitor_noise_std=4``);
+    a key whose value is None is left out. Ledgers go to ``root/ledgers/client{i}.sqlite``.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "ledgers").mkdir(exist_ok=True)
+    common = {k.replace("_", "-"): v for k, v in agent.items() if v is not None}
+    seed = common.pop("noise-seed", None)
+    per: dict[int, dict[str, Any]] = {}
+    for pid, (x, y) in enumerate(parts):
+        data = root / f"data{pid}.npz"
+        np.savez(data, x=x, y=y)
+        per[pid] = {
+            "ledger-path": str(root / "ledgers" / f"client{pid}.sqlite"),
+            "data-path": str(data),
+            **common,
+        }
+        if seed is not None:
+            per[pid]["noise-seed"] = int(seed) * 1000 + pid
+    return per
