@@ -52,11 +52,14 @@ class SvtMonitor:
         self.halted = False
 
     def check(self, exact_count: float) -> Verdict:
-        """Answer "below" when -count + nu >= -T + rho; after the first "below" the SVT is spent."""
+        """Answer "below" when -count + nu >= -(T - 1/2) + rho; after the first "below" the SVT is spent.
+
+        The half shifts the integer threshold so that, without noise, "below" means count < T.
+        """
         if self.halted:
             raise RuntimeError("the sparse vector already answered 'below'; re-arming needs a new reservation")
         nu = float(self._rng.laplace(0.0, 1.0 / self.epsilon_query))
-        below = -exact_count + nu >= -self.threshold + self._rho
+        below = -exact_count + nu >= -(self.threshold - 0.5) + self._rho
         self.halted = below
         return Verdict(below=below)
 

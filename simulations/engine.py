@@ -1,0 +1,48 @@
+"""Run a federation on Flower's simulation engine (Ray): the real ServerApp and ClientApp, one machine."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from client_agent.client_app import build_client_app, simulation_node_config
+from coordinator.analysts import Analyst
+from coordinator.config import CoordinatorConfig
+from coordinator.rounds import Evaluate
+from coordinator.server_app import build_server_app
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+
+def backend_config(num_cpus: int | None = None) -> dict[str, Any]:
+    """One CPU per virtual client, Ray limited to this machine's cores, quiet logs."""
+    cpus = num_cpus or os.cpu_count() or 1
+    return {
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+        "init_args": {"num_cpus": cpus, "logging_level": "ERROR", "log_to_driver": False},
+    }
+
+
+def run_flower(
+    cfg: CoordinatorConfig,
+    node_configs: Mapping[int, Mapping[str, Any]],
+    *,
+    evaluate: Evaluate | None = None,
+    analyst: Analyst | None = None,
+    num_cpus: int | None = None,
+) -> dict[str, Any]:
+    """One run of ``cfg`` with one virtual SuperNode per entry of ``node_configs``; returns the summary."""
+    from flwr.simulation import run_simulation
+
+    results: dict[str, Any] = {}
+    run_simulation(
+        server_app=build_server_app(cfg, results, evaluate=evaluate, analyst=analyst),
+        client_app=build_client_app([simulation_node_config(node_configs)]),
+        num_supernodes=len(node_configs),
+        backend_config=backend_config(num_cpus),  # type: ignore[arg-type]
+    )
+    if not results:
+        raise RuntimeError("the Flower simulation ended without a summary; see the log above for the ServerApp error")
+    return results

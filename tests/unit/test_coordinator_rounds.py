@@ -1,0 +1,169 @@
+"""The coordinator's round logic against a scripted transport: divisor, robustness, what it logs, enrolment."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from coordinator.config import CoordinatorConfig, CoordinatorConfigError
+from coordinator.rounds import EnrolmentError, noise_rng, run
+from coordinator.transport import Payload, RoundReplies
+from protocol import messages as wire
+from protocol.models import build_model, flatten_parameters
+
+NODES = [987_654_321, 987_654_322, 987_654_323]
+MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
+
+
+def status(*, trust: str, unit: str = "record", monitor: dict[str, Any] | None = None) -> str:
+    ledger = {
+        "filter": "gdp",
+        "epsilon": 2.0,
+        "delta": 1e-5,
+        "unit": unit,
+        "trust": trust,
+        "n_units": 5,
+        "params": {"monitor": monitor or {"kind": "none"}},
+    }
+    return json.dumps({"ledger": ledger, "policy": {}})
+
+
+class Scripted:
+    """Answers status from ``statuses`` and gradient requests from ``totals`` (per node; None = an error reply)."""
+
+    def __init__(self, statuses: Mapping[int, str], totals: Mapping[int, np.ndarray | str | None], trust: str):
+        self.statuses, self.totals, self.trust = statuses, totals, trust
+        self.sent: list[tuple[str, dict[int, Payload]]] = []
+
+    def node_ids(self, count: int, *, timeout: float) -> list[int]:
+        return sorted(self.statuses)[:count]
+
+    def send(self, message_type: str, payloads: Mapping[int, Payload], *, timeout: float) -> RoundReplies:
+        self.sent.append((message_type, dict(payloads)))
+        out = RoundReplies()
+        for node, (config, _) in payloads.items():
+            if message_type == wire.STATUS:
+                out.replies[node] = wire.StatusReply(config["request_id"], self.statuses[node]).encode()
+                continue
+            total = self.totals.get(node, "missing")
+            if isinstance(total, str) and total == "missing":
+                continue  # no reply at all
+            if total is None:
+                out.error("policy", "noise_std 0.1 asked; the policy requires noise_std >= 1.0")
+            elif isinstance(total, str):
+                reply = wire.ContributionReply(config["request_id"], wire.REPLY_EXHAUSTED, self.trust, 0.0,
+                                               np.zeros(0, np.float32))
+                out.replies[node] = reply.encode()
+            else:
+                noise = 1.0 if self.trust == "local" else 0.0
+                reply = wire.ContributionReply(config["request_id"], wire.REPLY_OK, self.trust, noise, total)
+                out.replies[node] = reply.encode()
+        if message_type != wire.STATUS:
+            out.missing = sum(1 for n in payloads if n not in self.totals)
+        return out
+
+
+def config(**over: Any) -> CoordinatorConfig:
+    base: dict[str, Any] = dict(
+        num_nodes=3, n_public=15, rounds=1, noise_std=2.0, l2_clip=1.0, learning_rate=0.5, trust="central",
+        model="logreg", model_args=MODEL_ARGS, noise_seed=11, progress=False,
+    )
+    return CoordinatorConfig(**(base | over))
+
+
+def test_step_divides_by_public_n_whoever_answered(tmp_path: Path) -> None:
+    # One client active, one exhausted (central trust may say so), one refused: the divisor stays n = 15.
+    d = 8  # logreg 3 -> 2
+    active = np.arange(d, dtype=np.float32)
+    scripted = Scripted(
+        {n: status(trust="central") for n in NODES},
+        {NODES[0]: active, NODES[1]: "exhausted", NODES[2]: None},
+        "central",
+    )
+    cfg = config()
+    summary = run(scripted, cfg)
+    params0 = flatten_parameters(build_model("logreg", seed=0, in_features=3, n_classes=2)).astype(np.float32)
+    noise = noise_rng(cfg).normal(0.0, cfg.noise_std, d)  # the same stream the run drew from
+    expected = (params0 - 0.5 * (active.astype(np.float64) + noise) / 15).astype(np.float32)
+    np.testing.assert_allclose(summary["parameters"], expected, rtol=1e-6)
+    rnd = summary["rounds"][0]
+    assert rnd["errors"] == {"policy": 1} and rnd["replies"] == 2
+    assert rnd["error_reasons"] == {"policy: noise_std 0.1 asked; the policy requires noise_std >= 1.0": 1}
+
+
+def test_missing_replies_do_not_stop_the_round() -> None:
+    scripted = Scripted({n: status(trust="local") for n in NODES}, {NODES[0]: np.ones(8, np.float32)}, "local")
+    summary = run(scripted, config(trust="local", rounds=3))
+    assert summary["rounds_completed"] == 3 and summary["stopped_because"] == "max_rounds"
+    assert [r["missing"] for r in summary["rounds"]] == [2, 2, 2]
+    assert summary["rounds"][0]["release_noise_std"] == pytest.approx(1.0)  # one client's noise reached the sum
+
+
+def test_local_trust_logs_hold_no_node_ids_or_per_client_values(tmp_path: Path) -> None:
+    marker = np.float32(12345.5)
+    totals = {n: np.full(8, marker * (i + 1), np.float32) for i, n in enumerate(NODES)}
+    scripted = Scripted({n: status(trust="local") for n in NODES}, totals, "local")
+    run(scripted, config(trust="local", rounds=2, output_dir=str(tmp_path / "out")))
+    written = (tmp_path / "out" / "rounds.jsonl").read_text() + (tmp_path / "out" / "summary.json").read_text()
+    for node in NODES:
+        assert str(node) not in written
+    for i in range(len(NODES)):
+        assert f"{float(marker) * (i + 1)}" not in written
+    lines = [json.loads(line) for line in (tmp_path / "out" / "rounds.jsonl").read_text().splitlines()]
+    assert set(lines[0]) == {
+        "round", "task", "replies", "errors", "error_reasons", "missing", "noise_std", "release_noise_std",
+        "duration_s", "monitor", "metrics", "query", "answer", "bound",
+    }
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    for key in ("epsilon", "delta", "filter", "unit", "trust", "monitor_reserved"):
+        assert key in summary["privacy"]
+    assert {"rounds_completed", "stopped_because", "final_metrics"} <= set(summary)
+
+
+@pytest.mark.parametrize(
+    ("cfg_over", "monitor", "message"),
+    [
+        ({"monitor": "svt", "monitor_epsilon": 0.5, "monitor_threshold": 3}, {"kind": "none"},
+         "monitor 'svt' asked; the client reserved 'none'"),
+        ({"monitor": "svt", "monitor_epsilon": 0.5, "monitor_threshold": 3}, {"kind": "svt", "epsilon_svt": 0.25},
+         "svt epsilon 0.5 asked; the client reserved 0.25"),
+    ],
+)
+def test_enrolment_refuses_an_unreserved_monitor(cfg_over: dict[str, Any], monitor: dict[str, Any], message: str) -> None:
+    scripted = Scripted({n: status(trust="central", monitor=monitor) for n in NODES}, {}, "central")
+    with pytest.raises(EnrolmentError, match=message):
+        run(scripted, config(**cfg_over))
+    assert [kind for kind, _ in scripted.sent] == [wire.STATUS]  # nothing was asked of the clients
+
+
+def test_enrolment_refuses_a_short_tree_and_a_trust_mismatch() -> None:
+    tree = {"kind": "tree", "noise_std": 4.0, "max_rounds": 8, "levels": 4, "squared_cost": 0.25}
+    scripted = Scripted({n: status(trust="local", monitor=tree) for n in NODES}, {}, "local")
+    with pytest.raises(EnrolmentError, match="16 monitor rounds asked; the client's tree covers 8"):
+        run(scripted, config(trust="local", rounds=16, monitor="tree", monitor_threshold=2))
+    scripted = Scripted({n: status(trust="local") for n in NODES}, {}, "local")
+    with pytest.raises(EnrolmentError, match="trust 'central' asked; a client's ledger is fixed to 'local'"):
+        run(scripted, config())
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"monitor": "svt", "monitor_epsilon": 1.0, "monitor_threshold": 3, "trust": "local"},
+         "monitor: 'svt' runs on exact counts and needs trust 'central'"),
+        ({"monitor": "tree", "monitor_threshold": 3}, "monitor: 'tree' is the local-trust monitor"),
+        ({"monitor": "svt", "monitor_threshold": 3}, "monitor_epsilon: expected a finite number > 0 with svt, got 0.0"),
+        ({"monitor": "svt", "monitor_epsilon": 1.0}, "monitor_threshold: expected an integer >= 1"),
+        ({"task": "count"}, "task: expected one of"),
+        ({"accuracy_beta": 1.5}, r"accuracy_beta: expected a number in \(0, 1\)"),
+        ({"checkpoint_every": 2}, "checkpoint_every: checkpoints need output_dir"),
+    ],
+)
+def test_bad_coordinator_config(over: dict[str, Any], message: str) -> None:
+    with pytest.raises(CoordinatorConfigError, match=message):
+        config(**over)
