@@ -212,9 +212,10 @@ class Agent:
                 )
             if request.l2_clip > policy.max_clip:
                 raise PolicyError(f"l2_clip {request.l2_clip!r} asked; the policy allows at most {policy.max_clip!r}")
-        if isinstance(request, wire.GradientRequest) and request.parameters.size > policy.max_model_params:
+        params = getattr(request, "parameters", None)
+        if params is not None and params.size > policy.max_model_params:
             raise PolicyError(
-                f"model size {request.parameters.size} parameters asked; the policy allows at most "
+                f"model size {params.size} parameters asked; the policy allows at most "
                 f"{policy.max_model_params}"
             )
         used = self.ledger.requests_in_run(request.run_id)

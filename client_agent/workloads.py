@@ -25,19 +25,24 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits, targets, reduction="none")
 
 
+def _loaded_model(kind: str, name: str, model_args: str, parameters: NDArray[np.float32]) -> torch.nn.Module:
+    """The request's model with its parameters loaded; a name, argument or size that does not fit is malformed."""
+    try:
+        model = build_model(name, **json.loads(model_args))
+    except (ValueError, TypeError) as exc:
+        raise wire.ProtocolError(f"{kind}: model {name!r} with {model_args}: {exc}") from exc
+    expected = parameter_count(model)
+    if parameters.size != expected:
+        raise wire.ProtocolError(
+            f"{kind}: 'parameters' must hold {expected} values for model {name!r}, got {parameters.size}"
+        )
+    load_flat_parameters(model, parameters)
+    return model
+
+
 def gradient_rows(request: wire.GradientRequest, x: NDArray[Any], y: NDArray[Any], *, unit: str) -> NDArray[np.float32]:
     """Per-unit gradients of the cross-entropy loss at the request's parameters."""
-    try:
-        model = build_model(request.model, **json.loads(request.model_args))
-    except (ValueError, TypeError) as exc:
-        raise wire.ProtocolError(f"{wire.GRADIENT}: model {request.model!r} with {request.model_args}: {exc}") from exc
-    expected = parameter_count(model)
-    if request.parameters.size != expected:
-        raise wire.ProtocolError(
-            f"{wire.GRADIENT}: 'parameters' must hold {expected} values for model {request.model!r}, "
-            f"got {request.parameters.size}"
-        )
-    load_flat_parameters(model, request.parameters)
+    model = _loaded_model(wire.GRADIENT, request.model, request.model_args, request.parameters)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y).astype(np.int64))
     if unit == "record":
@@ -59,6 +64,12 @@ def indicator_rows(
         hits = flat[:, request.column] != 0
     elif request.predicate == "threshold":
         hits = flat[:, request.column] > request.value
+    elif request.predicate == "correct":
+        assert request.model is not None and request.model_args is not None and request.parameters is not None
+        model = _loaded_model(wire.INDICATOR, request.model, request.model_args, request.parameters)
+        with torch.no_grad():
+            logits = model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+        hits = logits.argmax(dim=1).numpy() == np.asarray(y)
     else:
         hits = np.asarray(y) == request.value
     values = hits.astype(np.float32).reshape(-1, 1)

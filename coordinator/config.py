@@ -53,6 +53,12 @@ class CoordinatorConfig:
     analyst: str = "sweep"  # indicator task: 'sweep', 'refine' or 'cycle' (coordinator.analysts)
     query_columns: int = 0  # indicator task: how many columns the analyst may ask about (0: as many as rounds)
     accuracy_beta: float = 0.05  # indicator task: all stated error bounds hold together w.p. 1 - beta
+    # Private plateau (gradient task): every k rounds a noisy count of correctly classified training
+    # records, charged by every unit's filter like any release; stop after `patience` checks without
+    # an improvement of more than `min_delta` in that count / n_public.
+    plateau_every: int = 0
+    plateau_patience: int = 3
+    plateau_min_delta: float = 0.0
     eval_every: int = 0  # evaluate on server-side test data every k rounds (0: never)
     test_data: str = ""  # .npz with x, y (deployment; simulations pass an evaluate callable)
     checkpoint_every: int = 0  # save the model every k rounds and at the end (needs output_dir)
@@ -67,7 +73,7 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         for name in ("num_nodes", "n_public", "rounds"):
             _int_at_least(name, getattr(self, name), 1)
-        for name in ("monitor_threshold", "query_columns", "eval_every", "checkpoint_every", "seed"):
+        for name in ("monitor_threshold", "query_columns", "plateau_every", "eval_every", "checkpoint_every", "seed"):
             _int_at_least(name, getattr(self, name), 0)
         for name in ("noise_std", "l2_clip", "learning_rate", "round_timeout", "enrol_timeout"):
             value = getattr(self, name)
@@ -101,6 +107,11 @@ class CoordinatorConfig:
             raise CoordinatorConfigError(
                 f"monitor_threshold: expected an integer >= 1 with monitor {self.monitor!r}, got {self.monitor_threshold}"
             )
+        _int_at_least("plateau_patience", self.plateau_patience, 1)
+        if not isinstance(self.plateau_min_delta, (int, float)) or not 0 <= self.plateau_min_delta < 1:
+            raise CoordinatorConfigError(f"plateau_min_delta: expected a number in [0, 1), got {self.plateau_min_delta!r}")
+        if self.plateau_every and self.task != "gradient":
+            raise CoordinatorConfigError("plateau_every: the plateau test applies to the gradient task only")
         if self.eval_every and self.task != "gradient":
             raise CoordinatorConfigError("eval_every: evaluation applies to the gradient task only")
         if self.checkpoint_every and not self.output_dir:

@@ -228,6 +228,48 @@ def _sum_replies(got: RoundReplies, size: int, errors: Counter[str]) -> tuple[np
     return total, noise_var
 
 
+def _private_accuracy(
+    transport: Transport,
+    cfg: CoordinatorConfig,
+    nodes: list[int],
+    rnd: int,
+    params: np.ndarray,
+    rng: np.random.Generator,
+    errors: Counter[str],
+) -> float:
+    """Noisy count of correctly classified training records / n (a counting release every filter charges)."""
+    payloads = {
+        node: wire.encode_request(
+            wire.IndicatorRequest(
+                request_id=f"{cfg.run_id}:plateau:r{rnd}:n{node}",
+                run_id=cfg.run_id,
+                round=rnd,
+                noise_std=cfg.noise_std,
+                l2_clip=cfg.l2_clip,
+                trust=cfg.trust,
+                unit=cfg.unit,
+                predicate="correct",
+                column=0,
+                value=0.0,
+                model=cfg.model,
+                model_args=cfg.canonical_model_args,
+                parameters=params,
+            )
+        )
+        for node in nodes
+    }
+    got = transport.send(wire.INDICATOR, payloads, timeout=cfg.round_timeout)
+    for name, count in got.errors.items():
+        errors[f"plateau-{name}"] += count
+    plateau_errors: Counter[str] = Counter()
+    total, _ = _sum_replies(got, 1, plateau_errors)
+    for name, count in plateau_errors.items():
+        errors[f"plateau-{name}"] += count
+    if cfg.trust == "central":
+        total += rng.normal(0.0, cfg.noise_std, 1)
+    return float(total[0]) / cfg.n_public
+
+
 def _monitor_round(
     transport: Transport,
     cfg: CoordinatorConfig,
@@ -292,6 +334,7 @@ def run(
     metrics: dict[str, float] = {}
     checkpoint: str | None = None
     stopped_because = "max_rounds"
+    plateau_best, plateau_stale = -math.inf, 0
 
     for rnd in range(1, cfg.rounds + 1):
         t0 = time.monotonic()
@@ -323,9 +366,16 @@ def run(
         )
         if cfg.task == "gradient":
             params = (params - cfg.learning_rate * total / cfg.n_public).astype(np.float32)
+            if cfg.plateau_every and rnd % cfg.plateau_every == 0:
+                accuracy = _private_accuracy(transport, cfg, nodes, rnd, params, rng, errors)
+                log.metrics["train_accuracy_private"] = accuracy
+                if accuracy > plateau_best + cfg.plateau_min_delta:
+                    plateau_best, plateau_stale = accuracy, 0
+                else:
+                    plateau_stale += 1
             if evaluate is not None and cfg.eval_every and rnd % cfg.eval_every == 0:
                 metrics = evaluate(params)
-                log.metrics = metrics
+                log.metrics.update(metrics)
             if cfg.checkpoint_every and rnd % cfg.checkpoint_every == 0:
                 checkpoint = writer.checkpoint(rnd, params)
         else:
@@ -360,11 +410,14 @@ def run(
         if verdict is not None and verdict.below:
             stopped_because = "monitor"
             break
+        if cfg.plateau_every and plateau_stale >= cfg.plateau_patience:
+            stopped_because = "plateau"
+            break
 
     if cfg.task == "gradient" and logs:
-        if evaluate is not None and (not logs[-1].metrics):
+        if evaluate is not None and not set(logs[-1].metrics) - {"train_accuracy_private"}:
             metrics = evaluate(params)
-            logs[-1].metrics = metrics
+            logs[-1].metrics.update(metrics)
         if cfg.output_dir:
             checkpoint = writer.checkpoint(logs[-1].round, params)
     summary: dict[str, Any] = {

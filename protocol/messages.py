@@ -41,7 +41,9 @@ UNITS: tuple[str, ...] = ("client", "record")
 #   column     indicator = X[:, column] != 0            (sparse counting queries, FZ Thm 1.2)
 #   label      indicator = y == value
 #   threshold  indicator = X[:, column] > value
-PREDICATES: tuple[str, ...] = ("column", "label", "threshold")
+#   correct    indicator = the request's model classifies the record correctly (training accuracy,
+#              for a private plateau test; the request then carries model, model_args, parameters)
+PREDICATES: tuple[str, ...] = ("column", "label", "threshold", "correct")
 
 # Error codes of typed Error replies (Flower ``Error(code, reason)``).
 ERR_MALFORMED = 4001  # the request does not decode
@@ -192,6 +194,9 @@ class IndicatorRequest(RequestBase):
     predicate: str
     column: int
     value: float
+    model: str | None = None  # predicate 'correct' only
+    model_args: str | None = None
+    parameters: NDArray[np.float32] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -211,6 +216,7 @@ Request = GradientRequest | IndicatorRequest | MonitorRequest | StatusRequest
 _BASE_KEYS = {"request_id", "run_id", "round"}
 _GRADIENT_KEYS = _BASE_KEYS | {"noise_std", "l2_clip", "trust", "unit", "model", "model_args"}
 _INDICATOR_KEYS = _BASE_KEYS | {"noise_std", "l2_clip", "trust", "unit", "predicate", "column", "value"}
+_MODEL_KEYS = {"model", "model_args"}
 _MONITOR_KEYS = _BASE_KEYS | {"trust"}
 
 
@@ -229,13 +235,6 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
     kind = message_type
     if message_type == GRADIENT:
         _no_extra(config, arrays, kind, _GRADIENT_KEYS, {"parameters"})
-        model_args = _str(config, "model_args", kind) if config.get("model_args") != "" else ""
-        try:
-            parsed = json.loads(model_args or "{}")
-        except json.JSONDecodeError as exc:
-            raise ProtocolError(f"{kind}: 'model_args' must be JSON, got {model_args!r}") from exc
-        if not isinstance(parsed, dict):
-            raise ProtocolError(f"{kind}: 'model_args' must be a JSON object, got {model_args!r}")
         return GradientRequest(
             **_base(config, kind),
             noise_std=_positive(config, "noise_std", kind),
@@ -243,11 +242,20 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
             trust=_str(config, "trust", kind, choices=TRUST_MODES),
             unit=_str(config, "unit", kind, choices=UNITS),
             model=_str(config, "model", kind),
-            model_args=json.dumps(parsed, sort_keys=True),
+            model_args=_model_args(config, kind),
             parameters=_flat_finite(arrays, "parameters", kind, max_size=WIRE_MAX_VALUES),
         )
     if message_type == INDICATOR:
-        _no_extra(config, arrays, kind, _INDICATOR_KEYS, set())
+        if config.get("predicate") == "correct":
+            _no_extra(config, arrays, kind, _INDICATOR_KEYS | _MODEL_KEYS, {"parameters"})
+            model: dict[str, Any] = {
+                "model": _str(config, "model", kind),
+                "model_args": _model_args(config, kind),
+                "parameters": _flat_finite(arrays, "parameters", kind, max_size=WIRE_MAX_VALUES),
+            }
+        else:
+            _no_extra(config, arrays, kind, _INDICATOR_KEYS, set())
+            model = {}
         return IndicatorRequest(
             **_base(config, kind),
             noise_std=_positive(config, "noise_std", kind),
@@ -257,12 +265,25 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
             predicate=_str(config, "predicate", kind, choices=PREDICATES),
             column=_int(config, "column", kind, minimum=0),
             value=_real(config, "value", kind),
+            **model,
         )
     if message_type == MONITOR:
         _no_extra(config, arrays, kind, _MONITOR_KEYS, set())
         return MonitorRequest(**_base(config, kind), trust=_str(config, "trust", kind, choices=TRUST_MODES))
     _no_extra(config, arrays, kind, _BASE_KEYS, set())
     return StatusRequest(**_base(config, kind))
+
+
+def _model_args(config: Mapping[str, Any], kind: str) -> str:
+    """The canonical JSON of a request's model constructor arguments."""
+    model_args = _str(config, "model_args", kind) if config.get("model_args") != "" else ""
+    try:
+        parsed = json.loads(model_args or "{}")
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"{kind}: 'model_args' must be JSON, got {model_args!r}") from exc
+    if not isinstance(parsed, dict):
+        raise ProtocolError(f"{kind}: 'model_args' must be a JSON object, got {model_args!r}")
+    return json.dumps(parsed, sort_keys=True)
 
 
 def message_type_of(request: Request) -> str:
@@ -277,11 +298,13 @@ def message_type_of(request: Request) -> str:
 
 
 def encode_request(request: Request) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
-    """The (config, arrays) form of a request, the inverse of :func:`decode_request`."""
+    """The (config, arrays) form of a request, the inverse of :func:`decode_request` (None fields are left out)."""
     config: dict[str, Any] = {}
     arrays: dict[str, NDArray[Any]] = {}
     for f in fields(request):
         value = getattr(request, f.name)
+        if value is None:
+            continue
         if isinstance(value, np.ndarray):
             arrays[f.name] = value
         else:

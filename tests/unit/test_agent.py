@@ -453,3 +453,38 @@ def test_state_whose_spend_goes_down_is_never_committed(tmp_path: Path) -> None:
             dict(state, stopped=np.ones_like(state["stopped"])), dict(state, stopped=np.zeros_like(state["stopped"]))
         )
     check_monotone(state, state)  # unchanged is fine
+
+
+def test_correct_predicate_counts_correctly_classified_records(tmp_path: Path) -> None:
+    # Training accuracy for the private plateau test: each record's indicator is "the model is right".
+    agent = make_agent(tmp_path)
+    data = np.load(tmp_path / "data.npz")
+    params = np.zeros(N_PARAMS, np.float32)
+    params[0] = -1.0  # logit_0 = -x0, logit_1 = 0: predicts class 1 exactly when x0 > 0, the label rule
+    request = indicator(
+        "acc1", predicate="correct", model="logreg", model_args=MODEL_ARGS, parameters=params, noise_std=10.0
+    )
+    outcome = agent.handle(wire.INDICATOR, *request)
+    assert not outcome.is_error
+    spent = agent.ledger.state()["spent"]
+    np.testing.assert_allclose(spent, 0.01)  # every record is right, so every record pays (1 / 10)^2
+    assert len(data["y"]) == spent.size
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"predicate": "correct"}, "missing key 'model'"),
+        ({"predicate": "column", "model": "logreg", "model_args": MODEL_ARGS}, "unexpected key 'model'"),
+        (
+            {"predicate": "correct", "model": "logreg", "model_args": MODEL_ARGS,
+             "parameters": np.zeros(N_PARAMS + 1, np.float32)},
+            f"'parameters' must hold {N_PARAMS} values",
+        ),
+    ],
+)
+def test_correct_predicate_needs_exactly_its_model(tmp_path: Path, fields: dict[str, Any], message: str) -> None:
+    agent = make_agent(tmp_path)
+    outcome = agent.handle(wire.INDICATOR, *indicator("bad", **fields))
+    assert outcome.error_code == wire.ERR_MALFORMED and message in outcome.error_reason
+    assert agent.ledger.requests_answered() == 0
