@@ -39,3 +39,16 @@ def test_bad_run_config_is_refused_at_construction(override: dict[str, object], 
 def test_unknown_run_config_key() -> None:
     with pytest.raises(CoordinatorConfigError, match=r"unknown keys \['epsilon'\]"):
         CoordinatorConfig.from_run_config({"num-nodes": 2, "epsilon": 1.0})
+
+
+def test_pyproject_run_config_defaults_build_a_valid_config() -> None:
+    # The deployed ServerApp reads [tool.flwr.app.config]; every field has a key there and it validates.
+    import tomllib
+    from dataclasses import fields
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    run_config = pyproject["tool"]["flwr"]["app"]["config"]
+    cfg = CoordinatorConfig.from_run_config(run_config)
+    assert cfg.noise_seed is None  # -1 in TOML: OS entropy
+    assert {f.name.replace("_", "-") for f in fields(CoordinatorConfig)} == set(run_config)
