@@ -215,8 +215,7 @@ class Agent:
         params = getattr(request, "parameters", None)
         if params is not None and params.size > policy.max_model_params:
             raise PolicyError(
-                f"model size {params.size} parameters asked; the policy allows at most "
-                f"{policy.max_model_params}"
+                f"model size {params.size} parameters asked; the policy allows at most {policy.max_model_params}"
             )
         used = self.ledger.requests_in_run(request.run_id)
         if used >= policy.max_rounds_per_run:

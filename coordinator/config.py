@@ -105,11 +105,14 @@ class CoordinatorConfig:
                 raise CoordinatorConfigError(f"monitor_epsilon: expected a finite number > 0 with svt, got {eps!r}")
         if self.monitor != "none" and self.monitor_threshold < 1:
             raise CoordinatorConfigError(
-                f"monitor_threshold: expected an integer >= 1 with monitor {self.monitor!r}, got {self.monitor_threshold}"
+                f"monitor_threshold: expected an integer >= 1 with monitor {self.monitor!r}, "
+                f"got {self.monitor_threshold}"
             )
         _int_at_least("plateau_patience", self.plateau_patience, 1)
         if not isinstance(self.plateau_min_delta, (int, float)) or not 0 <= self.plateau_min_delta < 1:
-            raise CoordinatorConfigError(f"plateau_min_delta: expected a number in [0, 1), got {self.plateau_min_delta!r}")
+            raise CoordinatorConfigError(
+                f"plateau_min_delta: expected a number in [0, 1), got {self.plateau_min_delta!r}"
+            )
         if self.plateau_every and self.task != "gradient":
             raise CoordinatorConfigError("plateau_every: the plateau test applies to the gradient task only")
         if self.eval_every and self.task != "gradient":

@@ -279,7 +279,9 @@ def _monitor_round(
     errors: Counter[str],
 ) -> Verdict:
     payloads = {
-        node: wire.encode_request(wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}:n{node}", cfg.run_id, rnd, cfg.trust))
+        node: wire.encode_request(
+            wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}:n{node}", cfg.run_id, rnd, cfg.trust)
+        )
         for node in nodes
     }
     got = transport.send(wire.MONITOR, payloads, timeout=cfg.round_timeout)
@@ -380,7 +382,9 @@ def run(
                 checkpoint = writer.checkpoint(rnd, params)
         else:
             assert query is not None
-            bound = gaussian_bound(noise_std=max(log.release_noise_std, 1e-300), queries=cfg.rounds, beta=cfg.accuracy_beta)
+            bound = gaussian_bound(
+                noise_std=max(log.release_noise_std, 1e-300), queries=cfg.rounds, beta=cfg.accuracy_beta
+            )
             answer = Answer(rnd, query, float(total[0]), bound)
             answers.append(answer)
             log.query, log.answer, log.bound = asdict(query), answer.value, bound
@@ -437,7 +441,9 @@ def run(
     if cfg.task == "indicator":
         sensitivity = min(cfg.l2_clip, 1.0) if cfg.unit == "record" else cfg.l2_clip
         summary["queries_answered"] = len(answers)
-        summary["worst_case_queries"] = rounds_within(enrolment.worst_case_threshold, (sensitivity / cfg.noise_std) ** 2)
+        summary["worst_case_queries"] = rounds_within(
+            enrolment.worst_case_threshold, (sensitivity / cfg.noise_std) ** 2
+        )
         summary["accuracy"] = {
             "beta": cfg.accuracy_beta,
             "rule": "answer - (sum of the active units' clipped indicators) is within bound, "

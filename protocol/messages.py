@@ -401,7 +401,9 @@ class StatusReply:
         except json.JSONDecodeError as exc:
             raise ProtocolError(f"{kind}: 'description' must be JSON, got {description[:80]!r}") from exc
         if not isinstance(parsed, dict) or "ledger" not in parsed or "policy" not in parsed:
-            raise ProtocolError(f"{kind}: 'description' must be an object with 'ledger' and 'policy', got {parsed!r:.80}")
+            raise ProtocolError(
+                f"{kind}: 'description' must be an object with 'ledger' and 'policy', got {parsed!r:.80}"
+            )
         return cls(request_id=_str(config, "request_id", kind), description=description)
 
     def parsed(self) -> dict[str, Any]:

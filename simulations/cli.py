@@ -157,7 +157,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--data-dir", help="folder with the MNIST IDX files (mnist-gd)")
     p.add_argument("--out", default="fedfilter-out", help="output directory (default: fedfilter-out)")
     p.add_argument(
-        "--engine", default="flower", choices=["flower", "inprocess"],
+        "--engine",
+        default="flower",
+        choices=["flower", "inprocess"],
         help="flower: Flower's simulation engine (default); inprocess: the same agents by direct calls",
     )
     p.set_defaults(handler=_run_simulate)
@@ -175,16 +177,28 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             positive_int(f"--{name}", getattr(args, name))
     opts = Options(
-        clients=args.clients, rounds=args.rounds, epsilon=args.epsilon, delta=args.delta, noise_std=args.noise_std,
-        clip=args.clip, trust=args.trust, unit=args.unit, filter=args.filter, seed=args.seed,
-        data_dir=args.data_dir, out=args.out, engine=args.engine,
+        clients=args.clients,
+        rounds=args.rounds,
+        epsilon=args.epsilon,
+        delta=args.delta,
+        noise_std=args.noise_std,
+        clip=args.clip,
+        trust=args.trust,
+        unit=args.unit,
+        filter=args.filter,
+        seed=args.seed,
+        data_dir=args.data_dir,
+        out=args.out,
+        engine=args.engine,
     )
     summary = simulate(args.preset, opts)
     print()
     for line in headline(summary):
         print(line)
-    print(f"Written to {args.out}: summary.json, rounds.jsonl, {', '.join(Path(p).name for p in summary['plots'])}, "
-          "ledgers/ (fedfilter ledger show PATH)")
+    print(
+        f"Written to {args.out}: summary.json, rounds.jsonl, {', '.join(Path(p).name for p in summary['plots'])}, "
+        "ledgers/ (fedfilter ledger show PATH)"
+    )
     return 0
 
 

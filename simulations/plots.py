@@ -8,7 +8,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def plot_run(summary: dict[str, Any], out: Path) -> list[str]:
@@ -25,8 +25,12 @@ def plot_run(summary: dict[str, Any], out: Path) -> list[str]:
         ax.set_ylabel("test accuracy")
     else:
         ax.errorbar(
-            [r["round"] for r in rounds], [r["answer"] for r in rounds], yerr=[r["bound"] for r in rounds],
-            fmt=".", capsize=2, label="noisy count ± stated bound",
+            [r["round"] for r in rounds],
+            [r["answer"] for r in rounds],
+            yerr=[r["bound"] for r in rounds],
+            fmt=".",
+            capsize=2,
+            label="noisy count ± stated bound",
         )
         ax.set_ylabel("answer")
     if worst:

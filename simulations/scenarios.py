@@ -31,6 +31,4 @@ def sparse_counting(
     """FZ Thm 1.2's setting split over clients: each record positive on at most ``s_max`` of ``k_queries`` columns."""
     data = sparse_indicator_data(n_clients * records, k_queries, s_max, seed=seed, density_profile=profile)
     x = data.astype(np.float32)
-    return [
-        (x[i * records : (i + 1) * records], np.zeros(records, dtype=np.int64)) for i in range(n_clients)
-    ]
+    return [(x[i * records : (i + 1) * records], np.zeros(records, dtype=np.int64)) for i in range(n_clients)]

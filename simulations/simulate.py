@@ -26,7 +26,13 @@ from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import model_evaluator
 from coordinator.rounds import Evaluate
 from protocol.filters import GaussianFilter
-from simulations.data import default_data_dir, load_idx_dataset, normalise_images, partition_iid, synthetic_classification
+from simulations.data import (
+    default_data_dir,
+    load_idx_dataset,
+    normalise_images,
+    partition_iid,
+    synthetic_classification,
+)
 from simulations.federation import write_clients
 from simulations.scenarios import sparse_counting
 
@@ -65,7 +71,9 @@ def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _worst_case_rounds(epsilon: float, delta: float, noise_std: float, clip: float, monitor_epsilon: float = 0.0) -> int:
+def _worst_case_rounds(
+    epsilon: float, delta: float, noise_std: float, clip: float, monitor_epsilon: float = 0.0
+) -> int:
     """Rounds worst-case GDP accounting allows at full sensitivity, with the monitor's share set aside."""
     return GaussianFilter.gdp(epsilon=epsilon - monitor_epsilon, delta=delta).full_norm_rounds(
         noise_std=noise_std, l2_clip=clip
@@ -88,21 +96,38 @@ def quickstart(opts: Options, out: Path) -> Plan:
     x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
     parts = [(x[i * records : (i + 1) * records], y[i * records : (i + 1) * records]) for i in range(clients)]
     n_units = clients * records if unit == "record" else clients
-    monitor: dict[str, Any] = (
-        {"monitor": "svt", "monitor_epsilon": 0.1} if trust == "central" else {"monitor": "none"}
-    )
+    monitor: dict[str, Any] = {"monitor": "svt", "monitor_epsilon": 0.1} if trust == "central" else {"monitor": "none"}
     per = write_clients(
-        out / "clients", parts, epsilon=eps, delta=delta, unit=unit, trust=trust, filter=_pick(opts.filter, "gdp"),
-        noise_seed=opts.seed, **monitor,
+        out / "clients",
+        parts,
+        epsilon=eps,
+        delta=delta,
+        unit=unit,
+        trust=trust,
+        filter=_pick(opts.filter, "gdp"),
+        noise_seed=opts.seed,
+        **monitor,
     )
     _move_ledgers(per, out)
     cfg = CoordinatorConfig(
-        num_nodes=clients, n_public=n_units, rounds=_pick(opts.rounds, 30), noise_std=sigma, l2_clip=clip,
-        learning_rate=1.0, trust=trust, unit=unit, model="logreg",
-        model_args=json.dumps({"in_features": 20, "n_classes": 2}), seed=opts.seed, run_id=f"quickstart-{opts.seed}",
-        monitor=monitor["monitor"], monitor_epsilon=monitor.get("monitor_epsilon", 0.0),
-        monitor_threshold=max(1, n_units // 10) if monitor["monitor"] != "none" else 0, eval_every=1,
-        output_dir=str(out), noise_seed=opts.seed,
+        num_nodes=clients,
+        n_public=n_units,
+        rounds=_pick(opts.rounds, 30),
+        noise_std=sigma,
+        l2_clip=clip,
+        learning_rate=1.0,
+        trust=trust,
+        unit=unit,
+        model="logreg",
+        model_args=json.dumps({"in_features": 20, "n_classes": 2}),
+        seed=opts.seed,
+        run_id=f"quickstart-{opts.seed}",
+        monitor=monitor["monitor"],
+        monitor_epsilon=monitor.get("monitor_epsilon", 0.0),
+        monitor_threshold=max(1, n_units // 10) if monitor["monitor"] != "none" else 0,
+        eval_every=1,
+        output_dir=str(out),
+        noise_seed=opts.seed,
     )
     test_x, test_y = x[clients * records :], y[clients * records :]
     worst = _worst_case_rounds(eps, delta, sigma, clip, monitor.get("monitor_epsilon", 0.0))
@@ -118,14 +143,31 @@ def sparse_queries(opts: Options, out: Path) -> Plan:
     trust = _pick(opts.trust, "local")
     parts = sparse_counting(clients, records, k_queries=k, s_max=s, seed=opts.seed, profile="heavy_tailed")
     per = write_clients(
-        out / "clients", parts, epsilon=eps, delta=delta, unit="record", trust=trust,
-        filter=_pick(opts.filter, "gdp"), noise_seed=opts.seed,
+        out / "clients",
+        parts,
+        epsilon=eps,
+        delta=delta,
+        unit="record",
+        trust=trust,
+        filter=_pick(opts.filter, "gdp"),
+        noise_seed=opts.seed,
     )
     _move_ledgers(per, out)
     cfg = CoordinatorConfig(
-        num_nodes=clients, n_public=clients * records, rounds=k, noise_std=sigma, l2_clip=1.0, task="indicator",
-        trust=trust, unit="record", analyst="sweep", query_columns=k, seed=opts.seed,
-        run_id=f"sparse-{opts.seed}", output_dir=str(out), noise_seed=opts.seed,
+        num_nodes=clients,
+        n_public=clients * records,
+        rounds=k,
+        noise_std=sigma,
+        l2_clip=1.0,
+        task="indicator",
+        trust=trust,
+        unit="record",
+        analyst="sweep",
+        query_columns=k,
+        seed=opts.seed,
+        run_id=f"sparse-{opts.seed}",
+        output_dir=str(out),
+        noise_seed=opts.seed,
     )
     truth = np.concatenate([p[0] for p in parts]).sum(axis=0)
     np.save(out / "true_counts.npy", truth)
@@ -144,14 +186,31 @@ def mnist_gd(opts: Options, out: Path) -> Plan:
     eps, delta = _pick(opts.epsilon, 1.0), _pick(opts.delta, 1e-5)
     sigma, clip = _pick(opts.noise_std, 400.0), _pick(opts.clip, 1.0)
     per = write_clients(
-        out / "clients", parts, epsilon=eps, delta=delta, unit="record", trust="central",
-        filter=_pick(opts.filter, "gdp"), noise_seed=opts.seed,
+        out / "clients",
+        parts,
+        epsilon=eps,
+        delta=delta,
+        unit="record",
+        trust="central",
+        filter=_pick(opts.filter, "gdp"),
+        noise_seed=opts.seed,
     )
     _move_ledgers(per, out)
     cfg = CoordinatorConfig(
-        num_nodes=clients, n_public=len(train_x), rounds=_pick(opts.rounds, 60), noise_std=sigma, l2_clip=clip,
-        learning_rate=2.0, trust="central", unit="record", model="opacus_mnist_cnn", seed=opts.seed,
-        run_id=f"mnist-{opts.seed}", eval_every=5, output_dir=str(out), noise_seed=opts.seed,
+        num_nodes=clients,
+        n_public=len(train_x),
+        rounds=_pick(opts.rounds, 60),
+        noise_std=sigma,
+        l2_clip=clip,
+        learning_rate=2.0,
+        trust="central",
+        unit="record",
+        model="opacus_mnist_cnn",
+        seed=opts.seed,
+        run_id=f"mnist-{opts.seed}",
+        eval_every=5,
+        output_dir=str(out),
+        noise_seed=opts.seed,
         round_timeout=3600.0,
     )
     return Plan(cfg, per, model_evaluator(cfg, test_x, test_y), _worst_case_rounds(eps, delta, sigma, clip), {})
@@ -254,4 +313,3 @@ def headline(summary: dict[str, Any]) -> list[str]:
             f"({summary['queries_answered'] / max(summary['worst_case_queries'], 1):.1f}x)."
         )
     return lines
-

@@ -22,7 +22,7 @@ from simulations.federation import write_clients
 from simulations.scenarios import sparse_counting, staircase
 
 pytest.importorskip("flwr.simulation")
-from simulations.engine import run_flower  # noqa: E402
+from simulations.engine import run_flower
 
 pytestmark = pytest.mark.flower
 
@@ -44,10 +44,22 @@ def test_gradient_task(tmp_path: Path, trust: str, unit: str) -> None:
     per = write_clients(tmp_path, parts, epsilon=2.0, delta=1e-5, unit=unit, trust=trust, noise_seed=5)
     n_public = N_CLIENTS * 20 if unit == "record" else N_CLIENTS
     cfg = CoordinatorConfig(
-        num_nodes=N_CLIENTS, n_public=n_public, rounds=5, noise_std=2.0 if unit == "record" else 0.5,
-        l2_clip=1.0, learning_rate=2.0, trust=trust, unit=unit, model="logreg",
-        model_args=json.dumps({"in_features": 5, "n_classes": 2}), run_id=f"grad-{trust}", eval_every=5,
-        checkpoint_every=5, output_dir=str(tmp_path / "out"), noise_seed=9, progress=False,
+        num_nodes=N_CLIENTS,
+        n_public=n_public,
+        rounds=5,
+        noise_std=2.0 if unit == "record" else 0.5,
+        l2_clip=1.0,
+        learning_rate=2.0,
+        trust=trust,
+        unit=unit,
+        model="logreg",
+        model_args=json.dumps({"in_features": 5, "n_classes": 2}),
+        run_id=f"grad-{trust}",
+        eval_every=5,
+        checkpoint_every=5,
+        output_dir=str(tmp_path / "out"),
+        noise_seed=9,
+        progress=False,
     )
     summary = run_flower(cfg, per, evaluate=model_evaluator(cfg, x[-200:], y[-200:]))
     assert summary["rounds_completed"] == 5 and summary["stopped_because"] == "max_rounds"
@@ -67,8 +79,18 @@ def test_indicator_sparse_queries_beat_worst_case_fivefold(tmp_path: Path) -> No
     parts = sparse_counting(N_CLIENTS, 50, k_queries=k, s_max=s, seed=4, profile="constant")
     per = write_clients(tmp_path, parts, epsilon=3.0, delta=1e-5, unit="record", trust="local", noise_seed=6)
     cfg = CoordinatorConfig(
-        num_nodes=N_CLIENTS, n_public=N_CLIENTS * 50, rounds=k, noise_std=3.0, l2_clip=1.0, task="indicator",
-        trust="local", unit="record", analyst="sweep", query_columns=k, run_id="sparse", progress=False,
+        num_nodes=N_CLIENTS,
+        n_public=N_CLIENTS * 50,
+        rounds=k,
+        noise_std=3.0,
+        l2_clip=1.0,
+        task="indicator",
+        trust="local",
+        unit="record",
+        analyst="sweep",
+        query_columns=k,
+        run_id="sparse",
+        progress=False,
     )
     summary = run_flower(cfg, per)
     assert summary["worst_case_queries"] == 4
@@ -97,12 +119,31 @@ def true_crossing(per: dict, threshold: int, rounds: int) -> int:
 
 def test_tree_monitor_stops_local_indicator_run(tmp_path: Path) -> None:
     per = write_clients(
-        tmp_path, staircase(N_CLIENTS, 200), epsilon=3.0, delta=1e-5, unit="record", trust="local",
-        monitor="tree", monitor_noise_std=8.0, monitor_max_rounds=64, noise_seed=8,
+        tmp_path,
+        staircase(N_CLIENTS, 200),
+        epsilon=3.0,
+        delta=1e-5,
+        unit="record",
+        trust="local",
+        monitor="tree",
+        monitor_noise_std=8.0,
+        monitor_max_rounds=64,
+        noise_seed=8,
     )
     cfg = CoordinatorConfig(
-        num_nodes=N_CLIENTS, n_public=2000, rounds=64, noise_std=3.0, l2_clip=1.0, task="indicator", trust="local",
-        unit="record", analyst="cycle", query_columns=4, monitor="tree", monitor_threshold=1250, run_id="tree",
+        num_nodes=N_CLIENTS,
+        n_public=2000,
+        rounds=64,
+        noise_std=3.0,
+        l2_clip=1.0,
+        task="indicator",
+        trust="local",
+        unit="record",
+        analyst="cycle",
+        query_columns=4,
+        monitor="tree",
+        monitor_threshold=1250,
+        run_id="tree",
         progress=False,
     )
     summary = run_flower(cfg, per)
@@ -122,9 +163,22 @@ def test_central_client_units_with_svt_monitor(tmp_path: Path) -> None:
         tmp_path, parts, epsilon=3.0, delta=1e-5, unit="client", trust="central", monitor="svt", monitor_epsilon=1.0
     )
     cfg = CoordinatorConfig(
-        num_nodes=N_CLIENTS, n_public=N_CLIENTS, rounds=12, noise_std=40.0, l2_clip=40.0, task="indicator",
-        trust="central", unit="client", analyst="cycle", query_columns=4, monitor="svt", monitor_epsilon=1.0,
-        monitor_threshold=2, run_id="svt", noise_seed=1, progress=False,
+        num_nodes=N_CLIENTS,
+        n_public=N_CLIENTS,
+        rounds=12,
+        noise_std=40.0,
+        l2_clip=40.0,
+        task="indicator",
+        trust="central",
+        unit="client",
+        analyst="cycle",
+        query_columns=4,
+        monitor="svt",
+        monitor_epsilon=1.0,
+        monitor_threshold=2,
+        run_id="svt",
+        noise_seed=1,
+        progress=False,
     )
     summary = run_flower(cfg, per)
     check_privacy(summary, epsilon=3.0, delta=1e-5, unit="client", trust="central", monitor="svt")

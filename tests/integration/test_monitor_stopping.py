@@ -48,13 +48,30 @@ def test_monitor_stops_near_the_true_crossing(tmp_path: Path, trust: str, seed: 
         else {"monitor": "svt", "monitor_epsilon": 1.0}
     )
     per = write_clients(
-        tmp_path, staircase(CLIENTS, RECORDS), epsilon=3.0, delta=1e-5, unit="record", trust=trust,
-        noise_seed=seed, **monitor,
+        tmp_path,
+        staircase(CLIENTS, RECORDS),
+        epsilon=3.0,
+        delta=1e-5,
+        unit="record",
+        trust=trust,
+        noise_seed=seed,
+        **monitor,
     )
     cfg = CoordinatorConfig(
-        num_nodes=CLIENTS, n_public=CLIENTS * RECORDS, rounds=ROUNDS, noise_std=3.0, l2_clip=1.0, task="indicator",
-        trust=trust, unit="record", analyst="cycle", query_columns=4, monitor=monitor["monitor"],
-        monitor_threshold=THRESHOLD, monitor_epsilon=monitor.get("monitor_epsilon", 0.0), noise_seed=100 + seed,
+        num_nodes=CLIENTS,
+        n_public=CLIENTS * RECORDS,
+        rounds=ROUNDS,
+        noise_std=3.0,
+        l2_clip=1.0,
+        task="indicator",
+        trust=trust,
+        unit="record",
+        analyst="cycle",
+        query_columns=4,
+        monitor=monitor["monitor"],
+        monitor_threshold=THRESHOLD,
+        monitor_epsilon=monitor.get("monitor_epsilon", 0.0),
+        noise_seed=100 + seed,
         progress=False,
     )
     summary = run(InProcessTransport(per), cfg)

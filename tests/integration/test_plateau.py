@@ -32,8 +32,16 @@ def spent_and_answered(per: dict) -> tuple[np.ndarray, int]:
 
 def test_plateau_stops_and_is_charged(tmp_path: Path) -> None:
     common = dict(
-        num_nodes=3, n_public=60, rounds=10, noise_std=4.0, l2_clip=1.0, learning_rate=1.0, unit="record",
-        model="logreg", model_args=json.dumps({"in_features": 4, "n_classes": 2}), progress=False,
+        num_nodes=3,
+        n_public=60,
+        rounds=10,
+        noise_std=4.0,
+        l2_clip=1.0,
+        learning_rate=1.0,
+        unit="record",
+        model="logreg",
+        model_args=json.dumps({"in_features": 4, "n_classes": 2}),
+        progress=False,
     )
     # min_delta 0.9: no later check can improve on the first, so the run stops at the third check.
     cfg = CoordinatorConfig(**common, plateau_every=1, plateau_patience=2, plateau_min_delta=0.9)

@@ -12,8 +12,10 @@ from simulations.cli import main
 
 def test_sparse_queries_preset_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    assert main(["simulate", "--preset", "sparse-queries", "--rounds", "30", "--engine", "inprocess",
-                 "--out", str(out)]) == 0
+    assert (
+        main(["simulate", "--preset", "sparse-queries", "--rounds", "30", "--engine", "inprocess", "--out", str(out)])
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["queries_answered"] == 30 and summary["worst_case_queries"] >= 1
     assert len((out / "rounds.jsonl").read_text().splitlines()) == 30

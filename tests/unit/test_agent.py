@@ -477,8 +477,12 @@ def test_correct_predicate_counts_correctly_classified_records(tmp_path: Path) -
         ({"predicate": "correct"}, "missing key 'model'"),
         ({"predicate": "column", "model": "logreg", "model_args": MODEL_ARGS}, "unexpected key 'model'"),
         (
-            {"predicate": "correct", "model": "logreg", "model_args": MODEL_ARGS,
-             "parameters": np.zeros(N_PARAMS + 1, np.float32)},
+            {
+                "predicate": "correct",
+                "model": "logreg",
+                "model_args": MODEL_ARGS,
+                "parameters": np.zeros(N_PARAMS + 1, np.float32),
+            },
             f"'parameters' must hold {N_PARAMS} values",
         ),
     ],

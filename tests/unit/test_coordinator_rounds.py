@@ -56,8 +56,9 @@ class Scripted:
             if total is None:
                 out.error("policy", "noise_std 0.1 asked; the policy requires noise_std >= 1.0")
             elif isinstance(total, str):
-                reply = wire.ContributionReply(config["request_id"], wire.REPLY_EXHAUSTED, self.trust, 0.0,
-                                               np.zeros(0, np.float32))
+                reply = wire.ContributionReply(
+                    config["request_id"], wire.REPLY_EXHAUSTED, self.trust, 0.0, np.zeros(0, np.float32)
+                )
                 out.replies[node] = reply.encode()
             else:
                 noise = 1.0 if self.trust == "local" else 0.0
@@ -70,8 +71,17 @@ class Scripted:
 
 def config(**over: Any) -> CoordinatorConfig:
     base: dict[str, Any] = dict(
-        num_nodes=3, n_public=15, rounds=1, noise_std=2.0, l2_clip=1.0, learning_rate=0.5, trust="central",
-        model="logreg", model_args=MODEL_ARGS, noise_seed=11, progress=False,
+        num_nodes=3,
+        n_public=15,
+        rounds=1,
+        noise_std=2.0,
+        l2_clip=1.0,
+        learning_rate=0.5,
+        trust="central",
+        model="logreg",
+        model_args=MODEL_ARGS,
+        noise_seed=11,
+        progress=False,
     )
     return CoordinatorConfig(**(base | over))
 
@@ -116,8 +126,20 @@ def test_local_trust_logs_hold_no_node_ids_or_per_client_values(tmp_path: Path) 
         assert f"{float(marker) * (i + 1)}" not in written
     lines = [json.loads(line) for line in (tmp_path / "out" / "rounds.jsonl").read_text().splitlines()]
     assert set(lines[0]) == {
-        "round", "task", "replies", "errors", "error_reasons", "missing", "noise_std", "release_noise_std",
-        "duration_s", "monitor", "metrics", "query", "answer", "bound",
+        "round",
+        "task",
+        "replies",
+        "errors",
+        "error_reasons",
+        "missing",
+        "noise_std",
+        "release_noise_std",
+        "duration_s",
+        "monitor",
+        "metrics",
+        "query",
+        "answer",
+        "bound",
     }
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     for key in ("epsilon", "delta", "filter", "unit", "trust", "monitor_reserved"):
@@ -128,13 +150,21 @@ def test_local_trust_logs_hold_no_node_ids_or_per_client_values(tmp_path: Path) 
 @pytest.mark.parametrize(
     ("cfg_over", "monitor", "message"),
     [
-        ({"monitor": "svt", "monitor_epsilon": 0.5, "monitor_threshold": 3}, {"kind": "none"},
-         "monitor 'svt' asked; the client reserved 'none'"),
-        ({"monitor": "svt", "monitor_epsilon": 0.5, "monitor_threshold": 3}, {"kind": "svt", "epsilon_svt": 0.25},
-         "svt epsilon 0.5 asked; the client reserved 0.25"),
+        (
+            {"monitor": "svt", "monitor_epsilon": 0.5, "monitor_threshold": 3},
+            {"kind": "none"},
+            "monitor 'svt' asked; the client reserved 'none'",
+        ),
+        (
+            {"monitor": "svt", "monitor_epsilon": 0.5, "monitor_threshold": 3},
+            {"kind": "svt", "epsilon_svt": 0.25},
+            "svt epsilon 0.5 asked; the client reserved 0.25",
+        ),
     ],
 )
-def test_enrolment_refuses_an_unreserved_monitor(cfg_over: dict[str, Any], monitor: dict[str, Any], message: str) -> None:
+def test_enrolment_refuses_an_unreserved_monitor(
+    cfg_over: dict[str, Any], monitor: dict[str, Any], message: str
+) -> None:
     scripted = Scripted({n: status(trust="central", monitor=monitor) for n in NODES}, {}, "central")
     with pytest.raises(EnrolmentError, match=message):
         run(scripted, config(**cfg_over))
@@ -154,8 +184,10 @@ def test_enrolment_refuses_a_short_tree_and_a_trust_mismatch() -> None:
 @pytest.mark.parametrize(
     ("over", "message"),
     [
-        ({"monitor": "svt", "monitor_epsilon": 1.0, "monitor_threshold": 3, "trust": "local"},
-         "monitor: 'svt' runs on exact counts and needs trust 'central'"),
+        (
+            {"monitor": "svt", "monitor_epsilon": 1.0, "monitor_threshold": 3, "trust": "local"},
+            "monitor: 'svt' runs on exact counts and needs trust 'central'",
+        ),
         ({"monitor": "tree", "monitor_threshold": 3}, "monitor: 'tree' is the local-trust monitor"),
         ({"monitor": "svt", "monitor_threshold": 3}, "monitor_epsilon: expected a finite number > 0 with svt, got 0.0"),
         ({"monitor": "svt", "monitor_epsilon": 1.0}, "monitor_threshold: expected an integer >= 1"),
