@@ -23,6 +23,7 @@ import io
 import json
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from protocol.filters import FilterState, charge, clip_scales, partial_clip
 from protocol.realisation import RealisationState, advance, decide, realised_loss
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
+INTERNAL_REASON = "the client could not answer (internal error; details in the client's log); nothing was released"
 
 
 class PolicyError(ValueError):
@@ -171,10 +173,10 @@ class Agent:
         except Exception as exc:
             # Nothing left the client: the reply is released only after a successful commit,
             # and the commit is one transaction. A repeat with the same id is answered afresh.
-            return Outcome(
-                error_code=wire.ERR_INTERNAL,
-                error_reason=f"the client could not answer ({type(exc).__name__}: {exc}); nothing was released",
-            )
+            # The reason is fixed text: an exception's type or message may depend on the client's
+            # data, and an error reply goes back uncharged. Details stay on the client.
+            print(f"fedfilter client agent: internal error {type(exc).__name__}: {exc}", file=sys.stderr)
+            return Outcome(error_code=wire.ERR_INTERNAL, error_reason=INTERNAL_REASON)
 
     def status_json(self) -> str:
         """Public configuration only: no spend, and no fingerprint of the client's data.
@@ -273,6 +275,10 @@ class Agent:
     ) -> tuple[wire.ContributionReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
         """Clip, price, noise: the reply, the new filter state and the release record."""
         sigma, clip = request.noise_std, request.l2_clip
+        # A unit whose contribution is not finite (an overflow at extreme parameters) contributes
+        # the null element's zero and pays nothing. Refusing instead would answer, uncharged, a
+        # question about the client's data: whether some record overflows (privacy.md §1, §2).
+        rows = np.where(np.isfinite(rows).all(axis=1, keepdims=True), rows, np.float32(0.0))
         norms = np.linalg.norm(rows.astype(np.float64), axis=1)
         new_state = dict(state)
         kind = "gradient" if isinstance(request, wire.GradientRequest) else "indicator"

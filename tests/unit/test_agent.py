@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client_agent.agent import Agent
+from client_agent.agent import INTERNAL_REASON, Agent
 from client_agent.config import AgentConfigError, parse_agent_config
 from client_agent.ledger import LedgerError
 from protocol import messages as wire
@@ -436,8 +436,28 @@ def test_unexpected_failure_is_a_typed_error_and_spends_nothing(
     monkeypatch.setattr(agent, "contributions", broken)
     outcome = agent.handle(wire.GRADIENT, *gradient())
     assert outcome.error_code == wire.ERR_INTERNAL
-    assert "simulated failure" in outcome.error_reason and "nothing was released" in outcome.error_reason
+    # Fixed text: an exception's message may depend on the client's data and the error goes back uncharged.
+    assert outcome.error_reason == INTERNAL_REASON and "simulated failure" not in outcome.error_reason
     assert ledger_snapshot(agent) == before
+
+
+def test_overflowing_records_contribute_zero_instead_of_an_uncharged_error(tmp_path: Path) -> None:
+    # Finite but extreme parameters make a record with a large feature overflow to inf/NaN.
+    # Erroring would tell the coordinator, for free, that such a record exists; instead the
+    # record contributes the null element's zero and pays nothing, and the reply goes out as usual.
+    agent = make_agent(tmp_path)
+    params = np.zeros(N_PARAMS, np.float32)
+    params[0] = 3e38  # weight of feature 0 for class 0
+    outcome = agent.handle(wire.GRADIENT, *gradient("big", parameters=params))
+    assert not outcome.is_error and outcome.arrays is not None
+    assert np.all(np.isfinite(outcome.arrays["total"]))
+    x = np.load(tmp_path / "data.npz")["x"]
+    spent = agent.ledger.state()["spent"]
+    overflow = x[:, 0] * 3e38 > np.finfo(np.float32).max  # logit +inf: softmax gives NaN
+    assert overflow.any() and not overflow.all()
+    assert np.all(spent[overflow] == 0.0)  # the overflowing records paid nothing
+    assert np.all(spent[~overflow] > 0.0)
+    assert agent.ledger.requests_answered() == 1
 
 
 def test_state_whose_spend_goes_down_is_never_committed(tmp_path: Path) -> None:
