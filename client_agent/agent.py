@@ -94,6 +94,12 @@ def load_client_data(path: os.PathLike[str] | str) -> tuple[NDArray[Any], NDArra
     return x, y, hashlib.sha256(raw).hexdigest()
 
 
+def _run_tag(run_id: str) -> int:
+    """A non-zero 63-bit tag of a run id (SHA-256), to remember which run owns the SVT reservation."""
+    tag = int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+    return tag or 1
+
+
 def check_monotone(old: dict[str, NDArray[Any]], new: dict[str, NDArray[Any]]) -> None:
     """Refuse to commit a state in which a spend went down or a stopped unit restarted (privacy.md §3, §9)."""
     if "spent" in old and np.any(new["spent"] < old["spent"]):
@@ -102,6 +108,8 @@ def check_monotone(old: dict[str, NDArray[Any]], new: dict[str, NDArray[Any]]) -
         raise LedgerError("new state: expected stopped units to stay stopped, found one restarted")
     if "accepting" in old and np.any(new["accepting"] & ~old["accepting"]):
         raise LedgerError("new state: expected stopped units to stay stopped, found one accepting again")
+    if "monitor_run" in old and old["monitor_run"][0] != 0 and new["monitor_run"][0] != old["monitor_run"][0]:
+        raise LedgerError("new state: expected the SVT reservation to stay with its run, found it moved")
     if np.any((old["halt_round"] >= 0) & (new["halt_round"] != old["halt_round"])):
         raise LedgerError("new state: expected recorded halt rounds to stay as they were, found one changed")
 
@@ -129,6 +137,7 @@ class Agent:
             initial = {"spent": np.zeros(self.n_units), "stopped": np.zeros(self.n_units, dtype=np.bool_)}
         initial["halt_round"] = np.full(self.n_units, -1, dtype=np.int64)
         initial["monitor_last"] = np.zeros(1, dtype=np.int64)
+        initial["monitor_run"] = np.zeros(1, dtype=np.int64)  # the run that owns the SVT (0: none yet)
         self.ledger_config = LedgerConfig(
             filter=config.filter,
             epsilon=config.epsilon,
@@ -376,6 +385,16 @@ class Agent:
         new_state["monitor_last"] = np.array([t], dtype=np.int64)
         active = (state["halt_round"] < 0) if "stopped" not in state else ~state["stopped"]
         if monitor.kind == "svt":
+            # The reservation covers one sparse vector: the first run that asks owns it. A second
+            # run would start a second SVT on the same units, an unreserved release.
+            tag = np.array([_run_tag(request.run_id)], dtype=np.int64)
+            owner = state.get("monitor_run", np.zeros(1, dtype=np.int64))
+            if owner[0] != 0 and owner[0] != tag[0]:
+                raise PolicyError(
+                    f"svt monitor asked by run {request.run_id!r}; this client's reserved sparse vector "
+                    "belongs to an earlier run (re-arming needs a new reservation)"
+                )
+            new_state["monitor_run"] = tag
             total = np.array([float(active.sum())], dtype=np.float32)
             reply = wire.ContributionReply(request.request_id, wire.REPLY_OK, "central", 0.0, total)
             return reply, new_state, {"kind": np.array("monitor"), "round": np.array([t])}

@@ -113,8 +113,11 @@ class CoordinatorConfig:
             raise CoordinatorConfigError(
                 f"plateau_min_delta: expected a number in [0, 1), got {self.plateau_min_delta!r}"
             )
-        if self.plateau_every and self.task != "gradient":
-            raise CoordinatorConfigError("plateau_every: the plateau test applies to the gradient task only")
+        if self.plateau_every and (self.task != "gradient" or self.unit != "record"):
+            raise CoordinatorConfigError(
+                "plateau_every: the plateau test counts correctly classified records; it needs the gradient "
+                "task and record units"
+            )
         if self.eval_every and self.task != "gradient":
             raise CoordinatorConfigError("eval_every: evaluation applies to the gradient task only")
         if self.checkpoint_every and not self.output_dir:

@@ -122,6 +122,12 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
     worst_eps = min(float(lg["epsilon"]) for lg in ledgers)
     worst_delta = min(float(lg["delta"]) for lg in ledgers)
     squared_reserved = 0.0
+    units = sum(int(lg["n_units"]) for lg in ledgers)
+    if units != cfg.n_public:
+        raise EnrolmentError(
+            f"n_public: the run divides by {cfg.n_public} enrolled units; the {len(statuses)} enrolled clients "
+            f"hold {units} (set n_public to the number of enrolled units)"
+        )
     if cfg.monitor == "svt":
         worst_eps -= cfg.monitor_epsilon
         monitor_reserved.update(
@@ -132,7 +138,7 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
             rule="split (epsilon - epsilon_svt, delta) for the filter and (epsilon_svt, 0) for the SVT",
         )
     elif cfg.monitor == "tree":
-        levels = max(int(m["levels"]) for m in monitors)
+        levels = math.ceil(math.log2(cfg.rounds)) + 1  # nodes closing at t <= rounds; clients may report more
         squared_reserved = max(float(m["squared_cost"]) for m in monitors)
         monitor_reserved.update(
             noise_std=min(float(m["noise_std"]) for m in monitors),
@@ -145,7 +151,6 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
     worst = GaussianFilter.gdp(epsilon=worst_eps, delta=worst_delta)
     if squared_reserved:
         worst = worst.reserve(squared_budget=squared_reserved)
-    units = sum(int(lg["n_units"]) for lg in ledgers)
     privacy = {
         "epsilon": epsilon,
         "delta": delta,
@@ -296,8 +301,13 @@ def _monitor_round(
             continue
         reports.append((reply.total, reply.noise_added))
     if isinstance(monitor, SvtMonitor):
-        return monitor.check(float(sum(float(r[0].sum()) for r in reports)))
-    good = [r for r in reports if r[0].size == monitor.levels]
+        if len(reports) < len(nodes) or any(r[0].size != 1 for r in reports):
+            # A partial count would read as units leaving. Skipping the check depends on replies
+            # only (not on the count), so it costs nothing; the SVT answers at a later round.
+            errors["monitor-skipped-partial"] += 1
+            return Verdict(below=False)
+        return monitor.check(float(sum(float(r[0][0]) for r in reports)))
+    good = [(r[0][: monitor.levels], r[1]) for r in reports if r[0].size >= monitor.levels]
     if len(good) < len(reports):
         errors["monitor-wrong-shape"] += len(reports) - len(good)
     return monitor.add_round(rnd, good)
@@ -388,6 +398,7 @@ def run(
             answer = Answer(rnd, query, float(total[0]), bound)
             answers.append(answer)
             log.query, log.answer, log.bound = asdict(query), answer.value, bound
+        log.errors = dict(errors)
         verdict = None
         if monitor is not None:
             verdict = _monitor_round(transport, cfg, nodes, rnd, monitor, errors)

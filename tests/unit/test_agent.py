@@ -512,3 +512,20 @@ def test_correct_predicate_needs_exactly_its_model(tmp_path: Path, fields: dict[
     outcome = agent.handle(wire.INDICATOR, *indicator("bad", **fields))
     assert outcome.error_code == wire.ERR_MALFORMED and message in outcome.error_reason
     assert agent.ledger.requests_answered() == 0
+
+
+def test_svt_reservation_belongs_to_the_first_run(tmp_path: Path) -> None:
+    # One reserved sparse vector per ledger: a second run asking for exact counts would start an
+    # unreserved second SVT on the same units (privacy.md §7).
+    agent = make_agent(tmp_path, trust="central", epsilon=3.0, monitor="svt", **{"monitor-epsilon": 1.0})
+
+    def ask(run_id: str, rnd: int) -> Any:
+        request = wire.MonitorRequest(request_id=f"{run_id}-m{rnd}", run_id=run_id, round=rnd, trust="central")
+        return agent.handle(wire.MONITOR, *wire.encode_request(request))
+
+    first = ask("run-a", 1)
+    assert not first.is_error and first.arrays is not None and first.arrays["total"].tolist() == [10.0]
+    assert not ask("run-a", 2).is_error
+    refused = ask("run-b", 3)
+    assert refused.error_code == wire.ERR_POLICY and "belongs to an earlier run" in refused.error_reason
+    assert not ask("run-a", 4).is_error

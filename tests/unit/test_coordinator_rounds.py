@@ -199,3 +199,43 @@ def test_enrolment_refuses_a_short_tree_and_a_trust_mismatch() -> None:
 def test_bad_coordinator_config(over: dict[str, Any], message: str) -> None:
     with pytest.raises(CoordinatorConfigError, match=message):
         config(**over)
+
+
+def test_enrolment_refuses_a_public_n_the_clients_do_not_hold() -> None:
+    scripted = Scripted({n: status(trust="central") for n in NODES}, {}, "central")
+    with pytest.raises(EnrolmentError, match="the run divides by 20 enrolled units; the 3 enrolled clients hold 15"):
+        run(scripted, config(n_public=20))
+
+
+class PartialMonitor(Scripted):
+    """Answers monitor requests with exact counts, except one node that errors on ``bad_round``."""
+
+    def __init__(self, bad_round: int) -> None:
+        svt = {"kind": "svt", "epsilon_svt": 1.0}
+        super().__init__({n: status(trust="central", monitor=svt) for n in NODES}, {}, "central")
+        self.bad_round = bad_round
+
+    def send(self, message_type: str, payloads: Mapping[int, Payload], *, timeout: float) -> RoundReplies:
+        if message_type != wire.MONITOR:
+            return super().send(message_type, payloads, timeout=timeout)
+        out = RoundReplies()
+        for node, (config, _) in payloads.items():
+            if config["round"] == self.bad_round and node == NODES[0]:
+                out.error("policy", "monitor round refused")
+                continue
+            reply = wire.ContributionReply(
+                config["request_id"], wire.REPLY_OK, "central", 0.0, np.array([500.0], np.float32)
+            )
+            out.replies[node] = reply.encode()
+        return out
+
+
+def test_svt_skips_a_round_with_missing_counts() -> None:
+    # 1,500 units active throughout, threshold 1,200: 300 above it, so (Laplace scale 2) the SVT says
+    # "above"; a round where one client's count is missing would read as 1,000, far below.
+    scripted = PartialMonitor(bad_round=2)
+    summary = run(
+        scripted, config(rounds=4, monitor="svt", monitor_epsilon=1.0, monitor_threshold=1200, task="indicator")
+    )
+    assert summary["stopped_because"] == "max_rounds" and summary["rounds_completed"] == 4
+    assert summary["rounds"][1]["errors"]["monitor-skipped-partial"] == 1
