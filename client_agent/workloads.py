@@ -28,14 +28,15 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _loaded_model(kind: str, name: str, model_args: str, parameters: NDArray[np.float32]) -> torch.nn.Module:
     """The request's model with its parameters loaded; a name, argument or size that does not fit is malformed."""
     try:
-        model = build_model(name, **json.loads(model_args))
+        with torch.device("meta"):  # count first, allocate nothing: model_args may name huge layers
+            expected = parameter_count(build_model(name, **json.loads(model_args)))
     except (ValueError, TypeError) as exc:
         raise wire.ProtocolError(f"{kind}: model {name!r} with {model_args}: {exc}") from exc
-    expected = parameter_count(model)
     if parameters.size != expected:
         raise wire.ProtocolError(
             f"{kind}: 'parameters' must hold {expected} values for model {name!r}, got {parameters.size}"
         )
+    model = build_model(name, **json.loads(model_args))
     load_flat_parameters(model, parameters)
     return model
 

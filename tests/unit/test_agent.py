@@ -529,3 +529,13 @@ def test_svt_reservation_belongs_to_the_first_run(tmp_path: Path) -> None:
     refused = ask("run-b", 3)
     assert refused.error_code == wire.ERR_POLICY and "belongs to an earlier run" in refused.error_reason
     assert not ask("run-a", 4).is_error
+
+
+def test_huge_model_args_are_refused_before_allocating(tmp_path: Path) -> None:
+    # 10^10 parameters named in model_args: counted on the meta device, never allocated.
+    agent = make_agent(tmp_path)
+    huge = json.dumps({"in_features": 100_000, "hidden": [100_000], "out_features": 10})
+    outcome = agent.handle(wire.GRADIENT, *gradient("huge", model="mlp", model_args=huge))
+    assert outcome.error_code == wire.ERR_MALFORMED
+    assert "'parameters' must hold 10001100010 values" in outcome.error_reason
+    assert agent.ledger.requests_answered() == 0
