@@ -12,35 +12,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
 from client_agent.agent import Agent, Outcome, fault_point
 from client_agent.config import AgentConfigError, parse_agent_config
 from client_agent.ledger import LedgerError
 from protocol import messages as wire
-
-
-def _decode_content(msg: Message) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    content = msg.content
-    config: dict[str, Any] = dict(content[wire.CONFIG]) if wire.CONFIG in content.config_records else {}
-    arrays: dict[str, np.ndarray] = {}
-    if wire.ARRAYS in content.array_records:
-        arrays = {key: value.numpy() for key, value in content.array_records[wire.ARRAYS].items()}
-    extra = sorted(set(content.keys()) - {wire.CONFIG, wire.ARRAYS})
-    if extra:
-        raise wire.ProtocolError(f"message content: unexpected records {extra}; expected {[wire.CONFIG, wire.ARRAYS]}")
-    return config, arrays
-
-
-def encode_content(config: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> RecordDict:
-    """Flower content for a (config, arrays) pair, the layout of :mod:`protocol.messages`."""
-    return RecordDict(
-        {
-            wire.CONFIG: ConfigRecord(dict(config)),
-            wire.ARRAYS: ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()}),
-        }
-    )
+from protocol.records import decode_content, encode_content
 
 
 def answer_request(
@@ -67,7 +46,7 @@ def answer_request(
 def handle_message(msg: Message, context: Context) -> Message:
     """The ClientApp handler: Flower message in, :func:`answer_request`, Flower message out."""
     try:
-        req_config, req_arrays = _decode_content(msg)
+        req_config, req_arrays = decode_content(msg.content)
     except wire.ProtocolError as exc:
         return Message(Error(code=wire.ERR_MALFORMED, reason=str(exc)), reply_to=msg)
     outcome = answer_request(context.node_config, msg.metadata.message_type, req_config, req_arrays)

@@ -19,6 +19,7 @@ from typing import Any
 from protocol.filters import FILTER_KINDS, GaussianFilter
 from protocol.messages import GRADIENT, INDICATOR, MESSAGE_TYPES, MONITOR, STATUS, TRUST_MODES, UNITS
 from protocol.realisation import RealisationFilter
+from protocol.releases import tree_levels
 from protocol.validate import PrivacyParameterError, open_unit, positive, positive_int
 
 AGENT_FILTERS: tuple[str, ...] = (*FILTER_KINDS, "realisation")
@@ -71,7 +72,7 @@ class MonitorReservation:
 
     @property
     def levels(self) -> int:
-        return math.ceil(math.log2(self.max_rounds)) + 1 if self.max_rounds > 0 else 0
+        return tree_levels(self.max_rounds) if self.max_rounds > 0 else 0
 
     @property
     def squared_cost(self) -> float:

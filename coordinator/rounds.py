@@ -39,6 +39,7 @@ from coordinator.transport import RoundReplies, Transport
 from protocol import messages as wire
 from protocol.filters import GaussianFilter, rounds_within
 from protocol.models import build_model, flatten_parameters
+from protocol.releases import tree_levels
 
 Evaluate = Callable[[np.ndarray], dict[str, float]]
 
@@ -63,7 +64,6 @@ class Enrolment:
     units_enrolled: int
     privacy: dict[str, Any]
     worst_case_threshold: float  # the GDP threshold at the weakest client's (epsilon, delta), monitor reserved
-    monitor_levels: int
     excluded: dict[str, int] = field(default_factory=dict)
 
 
@@ -79,6 +79,34 @@ def _monitor_matches(cfg: CoordinatorConfig, reserved: dict[str, Any]) -> str | 
     return None
 
 
+def _accepted(status: dict[str, Any]) -> dict[str, Any]:
+    """A status description with the ledger fields enrolment reads, checked; a ProtocolError otherwise."""
+    ledger = status.get("ledger")
+    if not isinstance(ledger, dict):
+        raise wire.ProtocolError(f"status reply: expected a 'ledger' object, got {ledger!r:.80}")
+    for key, kind in (
+        ("epsilon", float),
+        ("delta", float),
+        ("n_units", int),
+        ("filter", str),
+        ("trust", str),
+        ("unit", str),
+    ):
+        value = ledger.get(key)
+        numeric = kind is float and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+        if isinstance(value, bool) or not (numeric or (kind is not float and isinstance(value, kind))):
+            raise wire.ProtocolError(f"status reply: ledger {key!r} must be {kind.__name__}, got {value!r:.80}")
+    monitor = ledger.get("params", {}).get("monitor") if isinstance(ledger.get("params"), dict) else None
+    if not isinstance(monitor, dict):
+        raise wire.ProtocolError(f"status reply: expected a monitor reservation object, got {monitor!r:.80}")
+    needed = {"svt": ("epsilon_svt",), "tree": ("noise_std", "max_rounds", "squared_cost")}.get(monitor.get("kind"), ())
+    for key in needed:
+        value = monitor.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise wire.ProtocolError(f"status reply: monitor {key!r} must be a finite number, got {value!r:.80}")
+    return status
+
+
 def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
     """Ask every node what it accepted; refuse to run when a client's ledger does not cover the run.
 
@@ -92,11 +120,12 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
     }
     got = transport.send(wire.STATUS, payloads, timeout=cfg.round_timeout)
     excluded: Counter[str] = Counter(got.errors)
-    excluded["missing"] += got.missing
+    if got.missing:
+        excluded["missing"] += got.missing
     statuses: dict[int, dict[str, Any]] = {}
     for node, (config, arrays) in got.replies.items():
         try:
-            statuses[node] = wire.StatusReply.decode(config, arrays).parsed()
+            statuses[node] = _accepted(wire.StatusReply.decode(config, arrays).parsed())
         except wire.ProtocolError:
             excluded["malformed-status"] += 1
     if not statuses:
@@ -107,7 +136,7 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
         for key, want in (("trust", cfg.trust), ("unit", cfg.unit)):
             if ledger.get(key) != want:
                 mismatches.append(f"{key} {want!r} asked; a client's ledger is fixed to {ledger.get(key)!r}")
-        why = _monitor_matches(cfg, ledger.get("params", {}).get("monitor", {}))
+        why = _monitor_matches(cfg, ledger["params"]["monitor"])
         if why:
             mismatches.append(why)
     if mismatches:
@@ -118,7 +147,6 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
     filters = sorted({str(lg["filter"]) for lg in ledgers})
     monitors = [lg["params"]["monitor"] for lg in ledgers]
     monitor_reserved: dict[str, Any] = {"kind": cfg.monitor}
-    levels = 0
     worst_eps = min(float(lg["epsilon"]) for lg in ledgers)
     worst_delta = min(float(lg["delta"]) for lg in ledgers)
     squared_reserved = 0.0
@@ -138,11 +166,10 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
             rule="split (epsilon - epsilon_svt, delta) for the filter and (epsilon_svt, 0) for the SVT",
         )
     elif cfg.monitor == "tree":
-        levels = math.ceil(math.log2(cfg.rounds)) + 1  # nodes closing at t <= rounds; clients may report more
         squared_reserved = max(float(m["squared_cost"]) for m in monitors)
         monitor_reserved.update(
             noise_std=min(float(m["noise_std"]) for m in monitors),
-            levels=levels,
+            levels=tree_levels(cfg.rounds),  # the nodes a run of this length reads; clients may report more
             squared_cost=squared_reserved,
             max_rounds=min(int(m["max_rounds"]) for m in monitors),
             threshold=cfg.monitor_threshold,
@@ -166,8 +193,7 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
         units_enrolled=units,
         privacy=privacy,
         worst_case_threshold=worst.threshold,
-        monitor_levels=levels,
-        excluded={k: v for k, v in excluded.items() if v},
+        excluded=dict(excluded),
     )
 
 
@@ -213,8 +239,13 @@ class RoundLog:
     bound: float | None = None
 
 
-def _sum_replies(got: RoundReplies, size: int, errors: Counter[str]) -> tuple[np.ndarray, float]:
-    """Sum the decoded contributions; the total noise variance the clients added."""
+def _released_sum(
+    cfg: CoordinatorConfig, got: RoundReplies, size: int, rng: np.random.Generator, errors: Counter[str]
+) -> tuple[np.ndarray, float]:
+    """The round's release: the decoded contributions summed, plus N(0, sigma^2) once in central trust.
+
+    Returns the sum and the variance of the noise in it (the clients' noise in local trust).
+    """
     total = np.zeros(size, dtype=np.float64)
     noise_var = 0.0
     for config, arrays in got.replies.values():
@@ -230,6 +261,9 @@ def _sum_replies(got: RoundReplies, size: int, errors: Counter[str]) -> tuple[np
             continue
         total += reply.total
         noise_var += reply.noise_added**2
+    if cfg.trust == "central":
+        total += rng.normal(0.0, cfg.noise_std, size)
+        noise_var = cfg.noise_std**2
     return total, noise_var
 
 
@@ -243,35 +277,15 @@ def _private_accuracy(
     errors: Counter[str],
 ) -> float:
     """Noisy count of correctly classified training records / n (a counting release every filter charges)."""
+    query = Query("correct")
     payloads = {
-        node: wire.encode_request(
-            wire.IndicatorRequest(
-                request_id=f"{cfg.run_id}:plateau:r{rnd}:n{node}",
-                run_id=cfg.run_id,
-                round=rnd,
-                noise_std=cfg.noise_std,
-                l2_clip=cfg.l2_clip,
-                trust=cfg.trust,
-                unit=cfg.unit,
-                predicate="correct",
-                column=0,
-                value=0.0,
-                model=cfg.model,
-                model_args=cfg.canonical_model_args,
-                parameters=params,
-            )
-        )
-        for node in nodes
+        node: wire.encode_request(_indicator_request(cfg, "plateau", rnd, node, query, params)) for node in nodes
     }
     got = transport.send(wire.INDICATOR, payloads, timeout=cfg.round_timeout)
-    for name, count in got.errors.items():
-        errors[f"plateau-{name}"] += count
-    plateau_errors: Counter[str] = Counter()
-    total, _ = _sum_replies(got, 1, plateau_errors)
+    plateau_errors: Counter[str] = Counter(got.errors)
+    total, _ = _released_sum(cfg, got, 1, rng, plateau_errors)
     for name, count in plateau_errors.items():
         errors[f"plateau-{name}"] += count
-    if cfg.trust == "central":
-        total += rng.normal(0.0, cfg.noise_std, 1)
     return float(total[0]) / cfg.n_public
 
 
@@ -331,7 +345,7 @@ def run(
     if cfg.monitor == "svt":
         monitor = SvtMonitor(threshold=cfg.monitor_threshold, epsilon=cfg.monitor_epsilon, rng=rng)
     elif cfg.monitor == "tree":
-        monitor = TreeMonitor(threshold=cfg.monitor_threshold, n_units=cfg.n_public, levels=enrolment.monitor_levels)
+        monitor = TreeMonitor(threshold=cfg.monitor_threshold, n_units=cfg.n_public, levels=tree_levels(cfg.rounds))
     progress = Progress(cfg.rounds, stream=progress_stream, enabled=cfg.progress)
 
     params = np.zeros(1, dtype=np.float32)
@@ -361,15 +375,12 @@ def run(
         kind = wire.GRADIENT if cfg.task == "gradient" else wire.INDICATOR
         got = transport.send(kind, payloads, timeout=cfg.round_timeout)
         errors: Counter[str] = Counter(got.errors)
-        total, noise_var = _sum_replies(got, params.size if cfg.task == "gradient" else 1, errors)
-        if cfg.trust == "central":
-            total += rng.normal(0.0, cfg.noise_std, total.size)
-            noise_var = cfg.noise_std**2
+        total, noise_var = _released_sum(cfg, got, params.size if cfg.task == "gradient" else 1, rng, errors)
         log = RoundLog(
             round=rnd,
             task=cfg.task,
             replies=len(got.replies),
-            errors=dict(errors),
+            errors={},  # filled once the round's plateau and monitor requests are in
             error_reasons=dict(got.reasons),
             missing=got.missing,
             noise_std=cfg.noise_std,
@@ -392,23 +403,20 @@ def run(
                 checkpoint = writer.checkpoint(rnd, params)
         else:
             assert query is not None
-            bound = gaussian_bound(
-                noise_std=max(log.release_noise_std, 1e-300), queries=cfg.rounds, beta=cfg.accuracy_beta
-            )
+            bound = gaussian_bound(noise_std=log.release_noise_std, queries=cfg.rounds, beta=cfg.accuracy_beta)
             answer = Answer(rnd, query, float(total[0]), bound)
             answers.append(answer)
             log.query, log.answer, log.bound = asdict(query), answer.value, bound
-        log.errors = dict(errors)
         verdict = None
         if monitor is not None:
             verdict = _monitor_round(transport, cfg, nodes, rnd, monitor, errors)
-            log.errors = dict(errors)
             log.monitor = {
                 "kind": cfg.monitor,
                 "below": verdict.below,
                 "active_estimate": verdict.active_estimate,
                 "estimate_std": verdict.estimate_std,
             }
+        log.errors = dict(errors)
         log.duration_s = time.monotonic() - t0
         errors_total.update(errors)
         logs.append(log)
@@ -477,33 +485,45 @@ def run(
     return summary
 
 
+def _common(cfg: CoordinatorConfig, purpose: str, rnd: int, node: int) -> dict[str, Any]:
+    """Fields every contribution request of this run carries; the id names the purpose, round and node."""
+    return {
+        "request_id": f"{cfg.run_id}:{purpose}:r{rnd}:n{node}",
+        "run_id": cfg.run_id,
+        "round": rnd,
+        "noise_std": cfg.noise_std,
+        "l2_clip": cfg.l2_clip,
+        "trust": cfg.trust,
+        "unit": cfg.unit,
+    }
+
+
 def _request(
     cfg: CoordinatorConfig, rnd: int, node: int, params: np.ndarray, query: Query | None
 ) -> wire.GradientRequest | wire.IndicatorRequest:
-    request_id = f"{cfg.run_id}:{cfg.task}:r{rnd}:n{node}"
+    """The round's request: the model for a gradient round, or the analyst's counting query."""
     if cfg.task == "gradient":
         return wire.GradientRequest(
-            request_id=request_id,
-            run_id=cfg.run_id,
-            round=rnd,
-            noise_std=cfg.noise_std,
-            l2_clip=cfg.l2_clip,
-            trust=cfg.trust,
-            unit=cfg.unit,
+            **_common(cfg, "gradient", rnd, node),
             model=cfg.model,
             model_args=cfg.canonical_model_args,
             parameters=params,
         )
     assert query is not None
+    return _indicator_request(cfg, "indicator", rnd, node, query)
+
+
+def _indicator_request(
+    cfg: CoordinatorConfig, purpose: str, rnd: int, node: int, query: Query, params: np.ndarray | None = None
+) -> wire.IndicatorRequest:
+    """A counting query; the 'correct' predicate also carries the model it evaluates."""
+    model: dict[str, Any] = {}
+    if params is not None:
+        model = {"model": cfg.model, "model_args": cfg.canonical_model_args, "parameters": params}
     return wire.IndicatorRequest(
-        request_id=request_id,
-        run_id=cfg.run_id,
-        round=rnd,
-        noise_std=cfg.noise_std,
-        l2_clip=cfg.l2_clip,
-        trust=cfg.trust,
-        unit=cfg.unit,
+        **_common(cfg, purpose, rnd, node),
         predicate=query.predicate,
         column=query.column,
         value=float(query.value),
+        **model,
     )

@@ -12,15 +12,13 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Message
 from flwr.serverapp import Grid
 
 from protocol import messages as wire
-
-Payload = tuple[dict[str, Any], dict[str, np.ndarray]]
+from protocol.records import Payload, decode_content, encode_content
 
 
 @dataclass
@@ -41,27 +39,6 @@ class Transport(Protocol):
     def node_ids(self, count: int, *, timeout: float) -> list[int]: ...
 
     def send(self, message_type: str, payloads: Mapping[int, Payload], *, timeout: float) -> RoundReplies: ...
-
-
-def encode_content(config: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> RecordDict:
-    """Flower content for a (config, arrays) pair."""
-    return RecordDict(
-        {
-            wire.CONFIG: ConfigRecord(dict(config)),
-            wire.ARRAYS: ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()}),
-        }
-    )
-
-
-def decode_content(content: RecordDict) -> Payload:
-    """The (config, arrays) pair of a Flower message's content."""
-    config = dict(content[wire.CONFIG]) if wire.CONFIG in content.config_records else {}
-    arrays = (
-        {k: v.numpy() for k, v in content.array_records[wire.ARRAYS].items()}
-        if wire.ARRAYS in content.array_records
-        else {}
-    )
-    return config, arrays
 
 
 class FlowerTransport:

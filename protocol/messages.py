@@ -10,7 +10,7 @@ privacy.md §9).
 Content layout of a Flower message (both directions):
   RecordDict{ CONFIG: ConfigRecord(scalar fields), ARRAYS: ArrayRecord(named numpy arrays) }
 This module works on the plain ``dict`` form of those two records; the Flower
-conversion lives in the apps.
+conversion lives in :mod:`protocol.records`.
 """
 
 from __future__ import annotations

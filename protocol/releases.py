@@ -17,6 +17,7 @@ squared budget S = sum_t mu_t^2; :func:`squared_sensitivity` is that increment.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -106,3 +107,11 @@ def rdp_cost(*, mu: float, order: float) -> float:
     """Rényi DP at ``order`` of one release: alpha mu^2 / 2 (Mironov 2017 Prop. 7; FZ Ex. 2.6)."""
     order = order_above_one("order", order)
     return 0.5 * order * float(mu) ** 2
+
+
+def tree_levels(max_rounds: int) -> int:
+    """L = ceil(log2 N) + 1: the binary-tree counter's levels over N rounds, hence the most nodes one halt
+    event lands in (DNPR; privacy.md §7). Its cost is L / sigma_m^2 of the squared budget."""
+    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
+        raise PrivacyParameterError(f"max_rounds: expected an integer >= 1, got {max_rounds!r}")
+    return math.ceil(math.log2(max_rounds)) + 1

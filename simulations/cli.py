@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from client_agent.ledger import LedgerError
+from coordinator.rounds import EnrolmentError
 from protocol.budget import budget_report
 from protocol.validate import PrivacyParameterError, open_unit, positive, positive_int
 
@@ -155,7 +156,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--filter", choices=["gdp", "zcdp", "renyi", "renyi_multi"])
     p.add_argument("--seed", type=int, default=0, help="data, model and (simulation only) noise seed")
     p.add_argument("--data-dir", help="folder with the MNIST IDX files (mnist-gd)")
-    p.add_argument("--out", default="fedfilter-out", help="output directory (default: fedfilter-out)")
+    p.add_argument("--download", action="store_true", help="fetch missing MNIST files (checksums verified)")
+    p.add_argument("--out", help="output directory (default: a new fedfilter-out/<preset>-<UTC time>)")
     p.add_argument(
         "--engine",
         default="flower",
@@ -188,6 +190,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         filter=args.filter,
         seed=args.seed,
         data_dir=args.data_dir,
+        download=args.download,
         out=args.out,
         engine=args.engine,
     )
@@ -195,8 +198,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     print()
     for line in headline(summary):
         print(line)
+    plots = ", ".join(Path(p).name for p in summary["plots"])
     print(
-        f"Written to {args.out}: summary.json, rounds.jsonl, {', '.join(Path(p).name for p in summary['plots'])}, "
+        f"Written to {summary['simulation']['out']}: summary.json, rounds.jsonl, {plots}, "
         "ledgers/ (fedfilter ledger show PATH)"
     )
     return 0
@@ -219,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
-    except (PrivacyParameterError, LedgerError, ValueError) as exc:
+    except (PrivacyParameterError, LedgerError, ValueError, FileNotFoundError, EnrolmentError) as exc:
         print(f"fedfilter {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

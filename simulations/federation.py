@@ -10,15 +10,17 @@ import numpy as np
 
 
 def write_clients(
-    root: Path, parts: Sequence[tuple[np.ndarray, np.ndarray]], **agent: Any
+    root: Path, parts: Sequence[tuple[np.ndarray, np.ndarray]], *, ledger_dir: Path | None = None, **agent: Any
 ) -> dict[int, dict[str, Any]]:
     """Write ``data{i}.npz`` per client and return the per-partition agent configs (node-config keys).
 
     ``agent`` holds node-config keys with underscores or dashes (``epsilon=3``, ``monitor_noise_std=4``);
-    a key whose value is None is left out. Ledgers go to ``root/ledgers/client{i}.sqlite``.
+    a key whose value is None is left out. Ledgers go to ``ledger_dir/client{i}.sqlite`` (default
+    ``root/ledgers``); ledgers already there are kept, with every spend they hold.
     """
     root.mkdir(parents=True, exist_ok=True)
-    (root / "ledgers").mkdir(exist_ok=True)
+    ledgers = ledger_dir if ledger_dir is not None else root / "ledgers"
+    ledgers.mkdir(parents=True, exist_ok=True)
     common = {k.replace("_", "-"): v for k, v in agent.items() if v is not None}
     seed = common.pop("noise-seed", None)
     per: dict[int, dict[str, Any]] = {}
@@ -26,7 +28,7 @@ def write_clients(
         data = root / f"data{pid}.npz"
         np.savez(data, x=x, y=y)
         per[pid] = {
-            "ledger-path": str(root / "ledgers" / f"client{pid}.sqlite"),
+            "ledger-path": str(ledgers / f"client{pid}.sqlite"),
             "data-path": str(data),
             **common,
         }

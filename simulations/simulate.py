@@ -52,7 +52,8 @@ class Options:
     filter: str | None = None
     seed: int = 0
     data_dir: str | None = None
-    out: str = "fedfilter-out"
+    download: bool = False  # fetch missing dataset files from the canonical mirrors
+    out: str | None = None  # default: fedfilter-out/<preset>-<UTC time>, a new folder per run
     engine: str = "flower"
 
 
@@ -97,8 +98,8 @@ def quickstart(opts: Options, out: Path) -> Plan:
     parts = [(x[i * records : (i + 1) * records], y[i * records : (i + 1) * records]) for i in range(clients)]
     n_units = clients * records if unit == "record" else clients
     monitor: dict[str, Any] = {"monitor": "svt", "monitor_epsilon": 0.1} if trust == "central" else {"monitor": "none"}
-    per = write_clients(
-        out / "clients",
+    per = _clients(
+        out,
         parts,
         epsilon=eps,
         delta=delta,
@@ -108,7 +109,6 @@ def quickstart(opts: Options, out: Path) -> Plan:
         noise_seed=opts.seed,
         **monitor,
     )
-    _move_ledgers(per, out)
     cfg = CoordinatorConfig(
         num_nodes=clients,
         n_public=n_units,
@@ -137,13 +137,14 @@ def quickstart(opts: Options, out: Path) -> Plan:
 def sparse_queries(opts: Options, out: Path) -> Plan:
     """FZ Thm 1.2 on one machine: each record positive on at most s of k counting queries, local trust."""
     clients = _pick(opts.clients, 10)
-    records, k, s = 100, _pick(opts.rounds, 100), 6
+    records, k = 100, _pick(opts.rounds, 100)
+    s = min(6, k)
     eps, delta = _pick(opts.epsilon, 3.0), _pick(opts.delta, 1e-5)
     sigma = _pick(opts.noise_std, 4.0)
     trust = _pick(opts.trust, "local")
     parts = sparse_counting(clients, records, k_queries=k, s_max=s, seed=opts.seed, profile="heavy_tailed")
-    per = write_clients(
-        out / "clients",
+    per = _clients(
+        out,
         parts,
         epsilon=eps,
         delta=delta,
@@ -152,7 +153,6 @@ def sparse_queries(opts: Options, out: Path) -> Plan:
         filter=_pick(opts.filter, "gdp"),
         noise_seed=opts.seed,
     )
-    _move_ledgers(per, out)
     cfg = CoordinatorConfig(
         num_nodes=clients,
         n_public=clients * records,
@@ -178,15 +178,15 @@ def mnist_gd(opts: Options, out: Path) -> Plan:
     """The CNN of Opacus's MNIST example on MNIST: record units, central trust, 10 silos (full-batch GD)."""
     clients = _pick(opts.clients, 10)
     data_dir = Path(opts.data_dir) if opts.data_dir else default_data_dir()
-    train_x, train_y = load_idx_dataset("mnist", "train", data_dir=data_dir)
-    test_x, test_y = load_idx_dataset("mnist", "test", data_dir=data_dir)
-    train_x = normalise_images(train_x, dataset="mnist")[:, None]
-    test_x = normalise_images(test_x, dataset="mnist")[:, None]
+    train_x, train_y = load_idx_dataset("mnist", data_dir, split="train", download=opts.download)
+    test_x, test_y = load_idx_dataset("mnist", data_dir, split="test", download=opts.download)
+    train_x = normalise_images(train_x, dataset="mnist")  # (n, 1, 28, 28)
+    test_x = normalise_images(test_x, dataset="mnist")
     parts = [(train_x[idx], train_y[idx]) for idx in partition_iid(len(train_x), clients, seed=opts.seed)]
     eps, delta = _pick(opts.epsilon, 1.0), _pick(opts.delta, 1e-5)
     sigma, clip = _pick(opts.noise_std, 400.0), _pick(opts.clip, 1.0)
-    per = write_clients(
-        out / "clients",
+    per = _clients(
+        out,
         parts,
         epsilon=eps,
         delta=delta,
@@ -195,7 +195,6 @@ def mnist_gd(opts: Options, out: Path) -> Plan:
         filter=_pick(opts.filter, "gdp"),
         noise_seed=opts.seed,
     )
-    _move_ledgers(per, out)
     cfg = CoordinatorConfig(
         num_nodes=clients,
         n_public=len(train_x),
@@ -216,14 +215,9 @@ def mnist_gd(opts: Options, out: Path) -> Plan:
     return Plan(cfg, per, model_evaluator(cfg, test_x, test_y), _worst_case_rounds(eps, delta, sigma, clip), {})
 
 
-def _move_ledgers(per: dict[int, dict[str, Any]], out: Path) -> None:
-    """Ledgers under ``out/ledgers`` (fresh for each run: a simulation's units start with nothing spent)."""
-    (out / "ledgers").mkdir(parents=True, exist_ok=True)
-    for pid, node in per.items():
-        path = out / "ledgers" / f"client{pid}.sqlite"
-        for suffix in ("", "-wal", "-shm"):
-            Path(str(path) + suffix).unlink(missing_ok=True)
-        node["ledger-path"] = str(path)
+def _clients(out: Path, parts: list[tuple[np.ndarray, np.ndarray]], **agent: Any) -> dict[int, dict[str, Any]]:
+    """Data under ``out/clients``, ledgers under ``out/ledgers`` (checked empty by :func:`simulate`)."""
+    return write_clients(out / "clients", parts, ledger_dir=out / "ledgers", **agent)
 
 
 PRESETS: dict[str, Callable[[Options, Path], Plan]] = {
@@ -243,11 +237,30 @@ def active_per_round(clients: dict[int, dict[str, Any]], rounds: int) -> np.ndar
     return np.array([np.count_nonzero((h < 0) | (h > t)) for t in range(rounds + 1)])
 
 
+def default_out(preset: str) -> Path:
+    """``fedfilter-out/<preset>-<UTC time>``: a new folder for every run."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    base = Path("fedfilter-out") / f"{preset}-{stamp}"
+    out, k = base, 1
+    while out.exists():
+        k += 1
+        out = base.with_name(f"{base.name}-{k}")
+    return out
+
+
 def simulate(preset: str, opts: Options) -> dict[str, Any]:
     """Run a preset; returns the coordinator's summary with the simulation's ground truth added."""
     if preset not in PRESETS:
         raise ValueError(f"--preset: expected one of {sorted(PRESETS)}, got {preset!r}")
-    out = Path(opts.out)
+    out = Path(opts.out) if opts.out else default_out(preset)
+    spent = sorted((out / "ledgers").glob("client*.sqlite"))
+    if spent:
+        # Never start a simulated federation over ledgers that already hold spend: that would
+        # read as a budget reset. A new run needs a new folder.
+        raise ValueError(
+            f"--out: {out / 'ledgers'} already holds {len(spent)} client ledgers from an earlier run; "
+            "choose a new --out (or leave it out for a fresh folder)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     plan = PRESETS[preset](opts, out)
     started = time.monotonic()
@@ -273,6 +286,7 @@ def simulate(preset: str, opts: Options) -> dict[str, Any]:
         "note": "ground truth read from the simulated clients' ledgers; never released to the coordinator",
         **plan.notes,
     }
+    truth["out"] = str(out)
     summary["simulation"] = truth
     from coordinator.report import write_json_atomic
     from simulations.plots import plot_run

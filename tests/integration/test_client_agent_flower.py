@@ -15,44 +15,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client_agent.client_app import build_client_app, simulation_node_config
 from client_agent.ledger import Ledger
 from coordinator.config import CoordinatorConfig
-from coordinator.server_app import build_server_app
+from simulations.federation import write_clients
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-flwr_simulation = pytest.importorskip("flwr.simulation")
+pytest.importorskip("flwr.simulation")
+from simulations.engine import run_flower
 
 pytestmark = pytest.mark.flower
 
 N_CLIENTS = 4
 RECORDS = 30
-BACKEND = {
-    "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-    "init_args": {"num_cpus": 2, "logging_level": "ERROR", "log_to_driver": False},
-}
 
 
 def make_clients(root: Path, *, trust: str) -> dict[int, dict[str, object]]:
     rng = np.random.default_rng(7)
-    per: dict[int, dict[str, object]] = {}
-    for pid in range(N_CLIENTS):
+    parts = []
+    for _ in range(N_CLIENTS):
         x = rng.normal(size=(RECORDS, 4)).astype(np.float32)
         # Half the records of each client have near-zero features: small gradients, long-lived units.
         x[RECORDS // 2 :] *= 0.01
-        y = (x[:, 0] > 0).astype(np.int64)
-        np.savez(root / f"data{pid}.npz", x=x, y=y)
-        per[pid] = {
-            "ledger-path": str(root / "ledgers" / f"client{pid}.sqlite"),
-            "data-path": str(root / f"data{pid}.npz"),
-            "epsilon": 2.0,
-            "delta": 1e-5,
-            "unit": "record",
-            "trust": trust,
-            "noise-seed": 100 + pid,
-        }
-    return per
+        parts.append((x, (x[:, 0] > 0).astype(np.int64)))
+    return write_clients(root, parts, epsilon=2.0, delta=1e-5, unit="record", trust=trust, noise_seed=1)
 
 
 def run(per: dict[int, dict[str, object]], *, run_id: str, rounds: int, trust: str) -> dict[str, object]:
@@ -68,15 +54,9 @@ def run(per: dict[int, dict[str, object]], *, run_id: str, rounds: int, trust: s
         model="logreg",
         model_args=json.dumps({"in_features": 4, "n_classes": 2}),
         run_id=run_id,
+        progress=False,
     )
-    results: dict[str, object] = {}
-    flwr_simulation.run_simulation(
-        server_app=build_server_app(cfg, results),
-        client_app=build_client_app([simulation_node_config(per)]),
-        num_supernodes=N_CLIENTS,
-        backend_config=BACKEND,
-    )
-    return results
+    return run_flower(cfg, per)
 
 
 def ledger_states(per: dict[int, dict[str, object]]) -> list[dict[str, np.ndarray]]:

@@ -150,6 +150,7 @@ def test_tree_monitor_stops_local_indicator_run(tmp_path: Path) -> None:
     assert summary["stopped_because"] == "monitor"
     assert abs(summary["rounds_completed"] - true_crossing(per, 1250, 64)) <= 2
     reserved = summary["privacy"]["monitor_reserved"]
+    # privacy.md §7: L = ceil(log2 64) + 1 = 7 levels, S_m = L / sigma_m^2 = 7 / 8^2.
     assert reserved["levels"] == 7 and reserved["squared_cost"] == pytest.approx(7 / 64)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from simulations.cli import main
@@ -45,3 +46,33 @@ def test_quickstart_on_flower(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert active[worst] == active[0]  # nobody could have run out by then, exactly as accounted
     printed = capsys.readouterr().out
     assert "Test accuracy at the worst-case stop" in printed
+
+
+def test_mnist_gd_preset_builds_its_federation(tmp_path: Path) -> None:
+    # The plan only (a full run is paper-scale): 60,000 MNIST records over 10 clients, CNN-shaped inputs.
+    from simulations.data import default_data_dir
+    from simulations.simulate import Options, mnist_gd
+
+    if not (default_data_dir() / "mnist").is_dir():
+        pytest.skip("no local MNIST copy (../shared/data)")
+    plan = mnist_gd(Options(out=str(tmp_path)), tmp_path)
+    assert plan.cfg.n_public == 60_000 and plan.cfg.model == "opacus_mnist_cnn"
+    sizes = [len(np.load(node["data-path"])["y"]) for node in plan.clients.values()]
+    assert len(sizes) == 10 and sum(sizes) == 60_000
+    assert np.load(plan.clients[0]["data-path"])["x"].shape[1:] == (1, 28, 28)
+    assert plan.evaluate is not None and set(plan.evaluate(np.zeros(26_010, np.float32))) == {"accuracy", "loss"}
+
+
+def test_missing_dataset_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--preset", "mnist-gd", "--data-dir", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "fedfilter simulate: error:" in err and "file not found" in err and "--download" in err
+
+
+def test_simulate_never_reuses_ledgers_that_hold_spend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    args = ["simulate", "--preset", "sparse-queries", "--rounds", "3", "--engine", "inprocess", "--out", str(out)]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 2  # a second run over the first one's ledgers would read as a budget reset
+    assert "already holds 10 client ledgers from an earlier run" in capsys.readouterr().err

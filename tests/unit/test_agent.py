@@ -532,7 +532,8 @@ def test_svt_reservation_belongs_to_the_first_run(tmp_path: Path) -> None:
 
 
 def test_huge_model_args_are_refused_before_allocating(tmp_path: Path) -> None:
-    # 10^10 parameters named in model_args: counted on the meta device, never allocated.
+    # 10^10 parameters named in model_args, counted on the meta device and never allocated:
+    # 100,000 x 100,000 + 100,000 (hidden layer) + 100,000 x 10 + 10 (output) = 10,001,100,010.
     agent = make_agent(tmp_path)
     huge = json.dumps({"in_features": 100_000, "hidden": [100_000], "out_features": 10})
     outcome = agent.handle(wire.GRADIENT, *gradient("huge", model="mlp", model_args=huge))

@@ -239,3 +239,11 @@ def test_svt_skips_a_round_with_missing_counts() -> None:
     )
     assert summary["stopped_because"] == "max_rounds" and summary["rounds_completed"] == 4
     assert summary["rounds"][1]["errors"]["monitor-skipped-partial"] == 1
+
+
+def test_malformed_status_replies_exclude_the_client_with_a_clear_error() -> None:
+    # A status whose ledger lacks a field, or has a non-number, is not enrolled; with none left, the run says why.
+    broken = json.dumps({"ledger": {"epsilon": "three"}, "policy": {}})
+    scripted = Scripted({n: broken for n in NODES}, {}, "central")
+    with pytest.raises(EnrolmentError, match=r"no client enrolled: \{'malformed-status': 3\}"):
+        run(scripted, config())
