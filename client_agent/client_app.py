@@ -16,29 +16,45 @@ from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
 from client_agent.agent import Agent, Outcome, fault_point
+from client_agent.agent_cache import AgentCache
 from client_agent.config import AgentConfigError, parse_agent_config
 from client_agent.ledger import LedgerError
 from protocol import messages as wire
 from protocol.records import decode_content, encode_content
 
+# Agents kept open between requests in this process (client_agent/agent_cache.py).
+AGENTS = AgentCache()
+
 
 def answer_request(
-    node_config: Mapping[str, Any], message_type: str, config: dict[str, Any], arrays: dict[str, np.ndarray]
+    node_config: Mapping[str, Any],
+    message_type: str,
+    config: dict[str, Any],
+    arrays: dict[str, np.ndarray],
+    *,
+    cache: AgentCache | None = AGENTS,
 ) -> Outcome:
-    """Everything the ClientApp does for one request, without Flower: open, answer, close, then send.
+    """Everything the ClientApp does for one request, without Flower: open, answer, keep or close, then send.
 
-    The ``before_send`` fault point sits where the reply is handed to Flower.
+    The agent comes from ``cache`` (kept open between requests in this process, see
+    :mod:`client_agent.agent_cache`), or is opened and closed for this request alone when
+    ``cache`` is None. The ``before_send`` fault point sits where the reply is handed to Flower.
     """
     try:
-        agent = Agent(parse_agent_config(node_config))
+        agent = cache.checkout(node_config) if cache is not None else Agent(parse_agent_config(node_config))
     except AgentConfigError as exc:
         return Outcome(error_code=wire.ERR_LEDGER, error_reason=f"agent configuration: {exc}")
     except (LedgerError, ValueError, OSError) as exc:
         return Outcome(error_code=wire.ERR_LEDGER, error_reason=str(exc))
+    outcome: Outcome | None = None
     try:
         outcome = agent.handle(message_type, config, arrays)
     finally:
-        agent.close()
+        reusable = outcome is not None and outcome.error_code not in (wire.ERR_LEDGER, wire.ERR_INTERNAL)
+        if cache is not None:
+            cache.checkin(node_config, agent, reusable=reusable)
+        else:
+            agent.close()
     fault_point("before_send")
     return outcome
 

@@ -1,0 +1,114 @@
+"""Open agents kept between requests in a long-lived process: the privacy layer's fixed cost, paid once.
+
+Opening an agent reads and fingerprints the client's data and opens the ledger with every
+check (SQLite header and ``integrity_check``, schema, configuration, state checksum);
+closing it checkpoints the WAL. Together that is most of what the privacy layer adds to a
+small round (``benchmarks/client_round.py``). A process that answers many requests (a Ray
+actor in simulation, an in-process transport, a long-lived ClientApp process) keeps the agent
+open instead.
+
+Privacy note: reuse never skips a check that protects a spend.
+
+- Every request still reads the unit state from the ledger and verifies its checksum, and
+  every commit still checks, inside its write transaction, that the stored state is the one
+  it read; SQLite makes commits from other processes visible to the open connection. So a
+  second process answering for the same ledger is handled exactly as without reuse.
+- An agent is reused only when the ledger file, its WAL and the data file have the same
+  identity, size and timestamps (modification and change) as this agent left them after
+  its own last request. Anything else (a replaced, truncated or edited file, a commit by
+  another process, new data) closes it and opens afresh, with every check of a first open.
+- An agent whose request ended in a ledger or internal error is closed, never reused.
+- Agents are per process and per thread (an SQLite connection is not shared across
+  threads or forks), keyed by the node config, at most ``max_entries`` of them (least
+  recently used closed first).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from client_agent.agent import Agent
+from client_agent.config import parse_agent_config
+
+FileMark = tuple[int, int, int, int, int] | None
+
+
+def _mark(path: Path) -> FileMark:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _files(agent: Agent) -> tuple[Path, ...]:
+    ledger = Path(agent.config.ledger_path)
+    return (ledger, ledger.with_name(ledger.name + "-wal"), Path(agent.config.data_path))
+
+
+def _marks(agent: Agent) -> tuple[FileMark, ...]:
+    return tuple(_mark(p) for p in _files(agent))
+
+
+def _key(node_config: Mapping[str, Any]) -> tuple[object, ...]:
+    items = tuple(sorted((str(k), repr(v)) for k, v in node_config.items()))
+    return (os.getpid(), threading.get_ident(), items)
+
+
+class AgentCache:
+    """Agents kept open between requests; see the module docstring for when one is reused."""
+
+    def __init__(self, *, max_entries: int = 32) -> None:
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_entries: expected an integer >= 1, got {max_entries!r}")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[object, ...], tuple[Agent, tuple[FileMark, ...]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def checkout(self, node_config: Mapping[str, Any]) -> Agent:
+        """The open agent for ``node_config`` if its files are as it left them, else a freshly opened one.
+
+        Raises what :class:`Agent` and :func:`parse_agent_config` raise on a first open.
+        """
+        key = _key(node_config)
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is not None:
+            agent, marks = entry
+            if _marks(agent) == marks:
+                return agent
+            agent.close()  # something outside this agent touched its files: open with every check
+        return Agent(parse_agent_config(node_config))
+
+    def checkin(self, node_config: Mapping[str, Any], agent: Agent, *, reusable: bool) -> None:
+        """Keep ``agent`` for the next request (``reusable``), or close it."""
+        if not reusable:
+            agent.close()
+            return
+        key = _key(node_config)
+        evicted: list[Agent] = []
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None and old[0] is not agent:
+                evicted.append(old[0])
+            self._entries[key] = (agent, _marks(agent))
+            while len(self._entries) > self.max_entries:
+                evicted.append(self._entries.popitem(last=False)[1][0])
+        for a in evicted:
+            a.close()
+
+    def clear(self) -> None:
+        """Close every kept agent (their ledgers checkpoint on close)."""
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        for agent, _ in entries:
+            agent.close()

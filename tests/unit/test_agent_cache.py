@@ -1,0 +1,165 @@
+"""Agents kept open between requests (client_agent/agent_cache.py): reused only while their files are untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client_agent.agent_cache import AgentCache
+from client_agent.client_app import answer_request
+from client_agent.ledger import Ledger
+from protocol import messages as wire
+
+MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
+
+
+def node_config(tmp_path: Path) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(10, 3)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
+    return {
+        "ledger-path": str(tmp_path / "ledger.sqlite"),
+        "data-path": str(tmp_path / "data.npz"),
+        "epsilon": 1.0,
+        "delta": 1e-5,
+        "unit": "record",
+        "trust": "local",
+        "noise-seed": 3,
+    }
+
+
+def gradient(i: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    return wire.encode_request(
+        wire.GradientRequest(
+            request_id=f"r{i}",
+            run_id="run",
+            round=i,
+            noise_std=4.0,
+            l2_clip=1.0,
+            trust="local",
+            unit="record",
+            model="logreg",
+            model_args=MODEL_ARGS,
+            parameters=np.zeros(8, np.float32),
+        )
+    )
+
+
+def spent(cfg: dict[str, Any]) -> np.ndarray:
+    with Ledger.open_existing(Path(cfg["ledger-path"])) as ledger:
+        return ledger.state()["spent"]
+
+
+@pytest.fixture
+def cache() -> Any:
+    c = AgentCache(max_entries=4)
+    yield c
+    c.clear()
+
+
+def test_agent_is_reused_between_requests(tmp_path: Path, cache: AgentCache) -> None:
+    cfg = node_config(tmp_path)
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
+    first = cache.checkout(cfg)
+    cache.checkin(cfg, first, reusable=True)
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache).is_error
+    again = cache.checkout(cfg)
+    assert again is first  # the same open agent: no new open, no data reload
+    cache.checkin(cfg, again, reusable=True)
+    # Every request charged, exactly as when the agent is opened and closed per request.
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    ref = node_config(ref_dir)
+    for i in (1, 2):
+        assert not answer_request(ref, wire.GRADIENT, *gradient(i), cache=None).is_error
+    assert spent(cfg).tobytes() == spent(ref).tobytes()
+    assert np.all(spent(cfg) > 0)
+
+
+def test_truncated_ledger_is_refused_not_answered_from_the_open_agent(tmp_path: Path, cache: AgentCache) -> None:
+    cfg = node_config(tmp_path)
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
+    path = Path(cfg["ledger-path"])
+    cache.clear()  # checkpoint the WAL into the file, as a process exit would, then damage the file
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache).is_error
+    path.write_bytes(path.read_bytes()[:1000])
+    outcome = answer_request(cfg, wire.GRADIENT, *gradient(3), cache=cache)
+    assert outcome.error_code == wire.ERR_LEDGER
+    assert "corrupt" in outcome.error_reason
+    assert len(cache) == 0  # an agent whose ledger failed is not kept
+
+
+def test_edited_ledger_bytes_force_a_full_reopen(tmp_path: Path, cache: AgentCache) -> None:
+    cfg = node_config(tmp_path)
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
+    kept = cache.checkout(cfg)
+    cache.checkin(cfg, kept, reusable=True)
+    path = Path(cfg["ledger-path"])
+    with path.open("r+b") as handle:  # same size, different bytes: only the timestamps tell
+        handle.seek(0)
+        handle.write(b"NOT SQLITE")
+    outcome = answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache)
+    assert outcome.error_code == wire.ERR_LEDGER
+    assert "header" in outcome.error_reason
+
+
+def test_another_process_committing_is_seen_and_no_spend_is_lost(tmp_path: Path, cache: AgentCache) -> None:
+    cfg = node_config(tmp_path)
+    # Two "processes" on one ledger, alternating: this cache, and an agent opened per request.
+    for i in range(1, 7):
+        use = cache if i % 2 else None
+        outcome = answer_request(cfg, wire.GRADIENT, *gradient(i), cache=use)
+        assert not outcome.is_error, outcome.error_reason
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    ref = node_config(ref_dir)
+    for i in range(1, 7):
+        assert not answer_request(ref, wire.GRADIENT, *gradient(i), cache=None).is_error
+    assert spent(cfg).tobytes() == spent(ref).tobytes()
+    with Ledger.open_existing(Path(cfg["ledger-path"])) as ledger:
+        assert ledger.requests_answered() == 6
+
+
+def test_new_data_file_reopens_and_the_ledger_refuses_it(tmp_path: Path, cache: AgentCache) -> None:
+    cfg = node_config(tmp_path)
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
+    x = np.ones((10, 3), np.float32)
+    np.savez(tmp_path / "data.npz", x=x, y=np.zeros(10, np.int64))
+    outcome = answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache)
+    assert outcome.error_code == wire.ERR_LEDGER
+    assert "data_sha256" in outcome.error_reason
+
+
+def test_replayed_request_from_the_open_agent_is_byte_identical(tmp_path: Path, cache: AgentCache) -> None:
+    cfg = node_config(tmp_path)
+    first = answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache)
+    again = answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache)
+    assert first.config == again.config
+    for name in first.arrays:
+        assert first.arrays[name].tobytes() == again.arrays[name].tobytes()
+    with Ledger.open_existing(Path(cfg["ledger-path"])) as ledger:
+        assert ledger.requests_answered() == 1  # no second charge
+
+
+def test_least_recently_used_agents_are_closed(tmp_path: Path) -> None:
+    cache = AgentCache(max_entries=2)
+    try:
+        for k in range(3):
+            d = tmp_path / f"c{k}"
+            d.mkdir()
+            assert not answer_request(node_config(d), wire.GRADIENT, *gradient(1), cache=cache).is_error
+        assert len(cache) == 2
+    finally:
+        cache.clear()
+    assert len(cache) == 0
+    assert os.path.exists(tmp_path / "c0" / "ledger.sqlite")
+
+
+def test_bad_cache_size() -> None:
+    with pytest.raises(ValueError, match="max_entries: expected an integer >= 1, got 0"):
+        AgentCache(max_entries=0)
