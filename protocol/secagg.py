@@ -1,0 +1,701 @@
+"""Secure aggregation with distributed Gaussian noise: the pure cryptographic core of ``secagg`` trust.
+
+The protocol is SecAgg (Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving
+Machine Learning", CCS 2017, Fig. 4, honest-but-curious server) with the key agreement,
+key derivation and stream cipher of SecAgg+ (Bell et al., "Secure Single-Server Aggregation
+with (Poly)Logarithmic Overhead", CCS 2020): X25519, HKDF-SHA256, ChaCha20. One *session*
+is one masked sum over the clients of a round:
+
+1. advertise: client u draws two X25519 key pairs (c_u for encrypting shares, s_u for
+   pairwise masks) and a self-mask seed b_u; it sends the public keys and SHA-256(b_u).
+2. share keys: given the roster U1 (every advertised key pair, index i = position), u
+   Shamir-shares b_u and the secret of s_u with threshold m among |U1| (x = index + 1) and
+   sends peer v its two shares, encrypted with ChaCha20-Poly1305 under a key derived from
+   X25519(c_u, c_v) and bound to the session tag and the ordered pair (u, v).
+3. masked input: given U2 (those who shared) and the ciphertexts addressed to u, u sends
+   y_u = x_u + PRG(b_u) + sum_{v in U2, v != u} sign(u, v) PRG(s_uv)  (mod 2^64),
+   sign = +1 when u < v, -1 otherwise, s_uv = HKDF(X25519(s_u, s_v)); pairwise masks of
+   two survivors cancel in the sum.
+4. unmask: given U3 (those whose masked input arrived, |U3| >= m), u reveals, for each v in
+   U2, its share of b_v if v is in U3 and its share of s_v's secret otherwise, never both
+   (the caller keeps that rule across crashes: one unmask answer per session). The server
+   reconstructs, removes the self masks of U3 and the pairwise masks between U3 and U2 \\ U3,
+   and learns sum_{u in U3} x_u and nothing else.
+
+Distributed noise: each client adds its share N(0, sigma^2 / m) (rounded to the fixed-point
+grid) to its input, so a sum over at least m clients carries Gaussian noise of variance at
+least sigma^2 (privacy.md §2, ``secagg`` trust). m is also the Shamir threshold and the
+smallest number of masked inputs a session accepts: a session with fewer survivors
+releases nothing.
+
+Fixed point (the ring Z_{2^64}): a value v is encoded as rint(v 2^k) and must lie within
+[-B, B] with n B < 2^63 for the n clients of the session, so the signed sum never wraps.
+A value outside its range is an error (:class:`FixedPointOverflow`), never a wrap-around.
+Rounding the client's sum to the grid moves it by at most 1/2 per coordinate, hence the
+clipped contribution of one unit moves the encoded sum by at most
+2^k ||v|| + sqrt(d) in L2 (each coordinate's two rounding errors differ by less than 1):
+the agent charges ||v|| + :func:`rounding_slack` (sqrt(d) / 2^k) instead of ||v||. The
+noise is the Gaussian rounded to the grid, with grid std >= :data:`MIN_GRID_NOISE_STD`;
+its probabilities differ from the discrete Gaussian's N_Z(0, s^2) (for which the Gaussian
+mechanism's zCDP holds exactly, Canonne, Kamath & Steinke 2020, Thm 4 and 14) by a relative
+O(1/s^2) < 1e-5, the same order as the floating-point idealisation of every other release.
+
+Flower's ``flwr.common.secure_aggregation`` is reused where it fits: its share plaintext
+layout (``share_keys_plaintext_concat``/``_separate``). Not reused, and why: its
+``pseudo_rand_gen`` folds the seed to 32 bits and draws from Mersenne Twister (a mask could
+be found by trying 2^32 seeds); its ``quantize`` clips silently (here an out-of-range value
+is an error); its Shamir works over GF(2^128) through PyCryptodome with padding, where this
+module shares one element of the prime field GF(2^521 - 1) per secret.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from flwr.common.secure_aggregation.secaggplus_utils import (
+    share_keys_plaintext_concat,
+    share_keys_plaintext_separate,
+)
+from numpy.typing import NDArray
+
+PROTOCOL_VERSION = b"fedfilter-secagg-v1"
+KEY_BYTES = 32  # X25519 keys, seeds, session tags
+FIELD_PRIME = (1 << 521) - 1  # Mersenne prime M521: every 32-byte secret is one field element
+SHARE_BYTES = 66  # a field element, little endian
+NONCE_BYTES = 12
+TAG_BYTES = 16
+PLAINTEXT_BYTES = 8 + 8 + 4 + 2 * SHARE_BYTES  # share_keys_plaintext_concat layout
+CIPHERTEXT_BYTES = NONCE_BYTES + PLAINTEXT_BYTES + TAG_BYTES
+RING_BITS = 64
+SUM_LIMIT = (1 << (RING_BITS - 1)) - 1  # |sum| <= 2^63 - 1: the signed sum of the session never wraps
+MAX_SCALE_BITS = 52
+MIN_CLIENTS = 2
+MAX_CLIENTS = 1 << 16
+NOISE_TAIL_STDS = 40.0  # P(|N(0, 1)| > 40) < 1e-340: the noise's own range, independent of any data
+MIN_GRID_NOISE_STD = 256.0  # noise std in grid units: the rounded Gaussian is then the discrete one to O(1e-5)
+
+
+class SecaggError(ValueError):
+    """Secure-aggregation material that is malformed, inconsistent, replayed or from the wrong keys."""
+
+
+class FixedPointOverflow(SecaggError):
+    """A value outside the fixed-point range it must fit (an error, never a wrap-around)."""
+
+
+# --- fixed point ----------------------------------------------------------------------------
+
+
+def _scale_bits(scale_bits: int) -> int:
+    if isinstance(scale_bits, bool) or not isinstance(scale_bits, int) or not 0 <= scale_bits <= MAX_SCALE_BITS:
+        raise SecaggError(f"scale_bits: expected an integer in [0, {MAX_SCALE_BITS}], got {scale_bits!r}")
+    return scale_bits
+
+
+def value_bound_for(n_clients: int) -> int:
+    """The largest per-client bound B with n B <= 2^63 - 1: a sum of n values in [-B, B] never wraps."""
+    if isinstance(n_clients, bool) or not isinstance(n_clients, int) or not 1 <= n_clients <= MAX_CLIENTS:
+        raise SecaggError(f"n_clients: expected an integer in [1, {MAX_CLIENTS}], got {n_clients!r}")
+    return SUM_LIMIT // n_clients
+
+
+def check_value_bound(value_bound: int, n_clients: int) -> int:
+    """``value_bound`` if n values within it sum without wrapping; a SecaggError naming both otherwise."""
+    if isinstance(value_bound, bool) or not isinstance(value_bound, int) or value_bound < 1:
+        raise SecaggError(f"value_bound: expected an integer >= 1, got {value_bound!r}")
+    if value_bound > value_bound_for(n_clients):
+        raise SecaggError(
+            f"value_bound: {n_clients} clients with values up to {value_bound} could wrap the 64-bit sum; "
+            f"expected at most {value_bound_for(n_clients)}"
+        )
+    return value_bound
+
+
+def encode_fixed_point(values: NDArray[np.floating], *, scale_bits: int, bound: int) -> NDArray[np.int64]:
+    """rint(values * 2^scale_bits) as int64, each within [-bound, bound]; FixedPointOverflow otherwise.
+
+    A non-finite value is out of every range. The check is exact (integer comparison after an
+    exact float-to-int conversion), so a value that passes can never wrap.
+    """
+    bits = _scale_bits(scale_bits)
+    if isinstance(bound, bool) or not isinstance(bound, int) or not 0 <= bound <= SUM_LIMIT:
+        raise SecaggError(f"bound: expected an integer in [0, 2^63 - 1], got {bound!r}")
+    scaled = np.rint(np.ldexp(np.asarray(values, dtype=np.float64), bits))
+    bad = ~(np.abs(scaled) < 2.0**63)  # also catches NaN
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise FixedPointOverflow(
+            f"fixed point: coordinate {i} is {float(np.asarray(values, dtype=np.float64).reshape(-1)[i])!r}, "
+            f"which does not encode within [-{bound}, {bound}] at scale 2^{bits}"
+        )
+    out = scaled.astype(np.int64)
+    over = np.abs(out) > bound
+    if over.any():
+        i = int(np.flatnonzero(over)[0])
+        raise FixedPointOverflow(
+            f"fixed point: coordinate {i} encodes to {int(out.reshape(-1)[i])}, outside [-{bound}, {bound}] "
+            f"at scale 2^{bits}"
+        )
+    return out
+
+
+def to_ring(encoded: NDArray[np.int64]) -> NDArray[np.uint64]:
+    """Two's complement: the int64 values as elements of Z_{2^64}."""
+    return np.ascontiguousarray(encoded, dtype=np.int64).view(np.uint64)
+
+
+def decode_fixed_point(total: NDArray[np.uint64], *, scale_bits: int) -> NDArray[np.float64]:
+    """The signed sum a ring element stands for, divided by 2^scale_bits."""
+    bits = _scale_bits(scale_bits)
+    return np.ldexp(np.ascontiguousarray(total, dtype=np.uint64).view(np.int64).astype(np.float64), -bits)
+
+
+def data_bound(*, n_units: int, l2_clip: float, scale_bits: int) -> int:
+    """Encoded bound on each coordinate of a client's clipped sum of ``n_units`` contributions of norm <= C.
+
+    |sum_u v(u)_j| <= sum_u ||v(u)|| <= n_units C. The float64 sum of n terms errs by at most
+    n eps sum |x| (eps = 2^-53), under 1e-6 of n C for n < 10^9; rounding to the grid adds 1/2.
+    Hence ceil(n C 2^k (1 + 1e-6)) + 2.
+    """
+    if isinstance(n_units, bool) or not isinstance(n_units, int) or not 1 <= n_units < 10**9:
+        raise SecaggError(f"n_units: expected an integer in [1, 10^9), got {n_units!r}")
+    if not math.isfinite(l2_clip) or l2_clip <= 0:
+        raise SecaggError(f"l2_clip: expected a finite number > 0, got {l2_clip!r}")
+    return math.ceil(n_units * l2_clip * 2.0 ** _scale_bits(scale_bits) * (1 + 1e-6)) + 2
+
+
+def noise_bound(*, noise_std: float, scale_bits: int) -> int:
+    """Encoded bound on each coordinate of a noise share of std ``noise_std`` (40 standard deviations, +1)."""
+    return math.ceil(NOISE_TAIL_STDS * noise_std * 2.0 ** _scale_bits(scale_bits)) + 1
+
+
+def noise_share_std(noise_std: float, min_clients: int) -> float:
+    """sigma / sqrt(m): any m shares sum to Gaussian noise of variance sigma^2 (privacy.md §2, secagg)."""
+    if not math.isfinite(noise_std) or noise_std <= 0:
+        raise SecaggError(f"noise_std: expected a finite number > 0, got {noise_std!r}")
+    if isinstance(min_clients, bool) or not isinstance(min_clients, int) or min_clients < MIN_CLIENTS:
+        raise SecaggError(f"min_clients: expected an integer >= {MIN_CLIENTS}, got {min_clients!r}")
+    return noise_std / math.sqrt(min_clients)
+
+
+def rounding_slack(dim: int, scale_bits: int) -> float:
+    """sqrt(d) / 2^k: how far rounding a client's sum to the grid can move one unit's L2 sensitivity.
+
+    Derivation: for neighbours differing in unit u, the unrounded client sums differ by v(u);
+    each coordinate's rounding error lies in [-1/2, 1/2], so the two rounding errors differ by
+    less than 1 per coordinate and the encoded sums differ by at most 2^k ||v(u)|| + sqrt(d)
+    (grid units), i.e. ||v(u)|| + sqrt(d) / 2^k in the original units.
+    """
+    return math.sqrt(dim) / 2.0 ** _scale_bits(scale_bits)
+
+
+def rounded_gaussian(rng: np.random.Generator, *, noise_std: float, scale_bits: int, size: int) -> NDArray[np.int64]:
+    """A noise share on the grid: rint(N(0, noise_std^2) 2^k), range-checked against :func:`noise_bound`.
+
+    The check can fail only on the noise itself (probability < 1e-340 per coordinate), never on
+    data, so its error says nothing about anyone's data.
+    """
+    grid_std = noise_std * 2.0 ** _scale_bits(scale_bits)
+    if grid_std < MIN_GRID_NOISE_STD:
+        raise SecaggError(
+            f"noise share: std {grid_std!r} grid steps at scale 2^{scale_bits}; expected >= {MIN_GRID_NOISE_STD} "
+            "(raise secagg scale bits)"
+        )
+    draw = rng.normal(0.0, noise_std, size)
+    return encode_fixed_point(
+        draw, scale_bits=scale_bits, bound=noise_bound(noise_std=noise_std, scale_bits=scale_bits)
+    )
+
+
+# --- keys, derivation, masks ----------------------------------------------------------------
+
+
+def _bytes32(name: str, raw: object) -> bytes:
+    if isinstance(raw, np.ndarray):
+        if raw.dtype != np.uint8 or raw.shape != (KEY_BYTES,):
+            raise SecaggError(f"{name}: expected {KEY_BYTES} bytes (uint8[{KEY_BYTES}]), got {raw.dtype}{raw.shape}")
+        return raw.tobytes()
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != KEY_BYTES:
+        found = f"{len(raw)} bytes" if isinstance(raw, (bytes, bytearray)) else type(raw).__name__
+        raise SecaggError(f"{name}: expected {KEY_BYTES} bytes, got {found}")
+    return bytes(raw)
+
+
+def generate_keypair() -> tuple[bytes, bytes]:
+    """A fresh X25519 key pair (secret, public), raw 32 bytes each, from the OS CSPRNG."""
+    secret = X25519PrivateKey.generate()
+    return (
+        secret.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()),
+        secret.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw),
+    )
+
+
+def public_key_of(secret: bytes) -> bytes:
+    """The X25519 public key of a raw secret key."""
+    key = X25519PrivateKey.from_private_bytes(_bytes32("secret key", secret))
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def agree(secret: bytes, peer_public: bytes, *, what: str) -> bytes:
+    """X25519(secret, peer_public); a low-order or malformed peer key is a SecaggError naming ``what``."""
+    key = X25519PrivateKey.from_private_bytes(_bytes32("secret key", secret))
+    try:
+        return key.exchange(X25519PublicKey.from_public_bytes(_bytes32(what, peer_public)))
+    except ValueError as exc:
+        raise SecaggError(f"{what}: not a usable X25519 public key ({exc})") from exc
+
+
+def _hkdf(secret: bytes, *, salt: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt, info=PROTOCOL_VERSION + b"|" + info).derive(
+        secret
+    )
+
+
+def _pair(a: int, b: int) -> bytes:
+    return struct.pack("<II", a, b)
+
+
+def pairwise_seed(secret: bytes, peer_public: bytes, *, tag: bytes, u: int, v: int) -> bytes:
+    """s_uv = HKDF(X25519(s_u, s_v)) bound to the session and the unordered pair: the same seed on both sides."""
+    shared = agree(secret, peer_public, what=f"masking key of peer {v}")
+    return _hkdf(shared, salt=tag, info=b"pairwise-mask" + _pair(min(u, v), max(u, v)))
+
+
+def self_mask_seed(seed: bytes, *, tag: bytes) -> bytes:
+    """The PRG seed of the self mask, from b_u and the session tag."""
+    return _hkdf(_bytes32("self-mask seed", seed), salt=tag, info=b"self-mask")
+
+
+def seed_commitment(seed: bytes) -> bytes:
+    """SHA-256 of b_u, sent at advertise time: a reconstructed b_u must match it."""
+    return hashlib.sha256(PROTOCOL_VERSION + b"|seed|" + _bytes32("self-mask seed", seed)).digest()
+
+
+def expand_mask(seed: bytes, dim: int) -> NDArray[np.uint64]:
+    """PRG(seed): ``dim`` uniform elements of Z_{2^64} from the ChaCha20 keystream under key ``seed``.
+
+    Each seed is derived for one session and one use, so the all-zero nonce is never reused
+    with a key.
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        raise SecaggError(f"dim: expected an integer >= 0, got {dim!r}")
+    encryptor = Cipher(algorithms.ChaCha20(_bytes32("mask seed", seed), b"\x00" * 16), mode=None).encryptor()
+    stream = encryptor.update(bytes(8 * dim))
+    return np.frombuffer(stream, dtype="<u8").astype(np.uint64, copy=False)
+
+
+def session_tag(
+    *, run_id: str, round: int, threshold: int, encryption_keys: NDArray[np.uint8], masking_keys: NDArray[np.uint8]
+) -> bytes:
+    """SHA-256 of everything that defines a session: run, round, threshold and the roster's public keys."""
+    h = hashlib.sha256(PROTOCOL_VERSION + b"|session|")
+    run = run_id.encode()
+    h.update(struct.pack("<I", len(run)) + run + struct.pack("<qII", round, threshold, len(encryption_keys)))
+    h.update(np.ascontiguousarray(encryption_keys, dtype=np.uint8).tobytes())
+    h.update(np.ascontiguousarray(masking_keys, dtype=np.uint8).tobytes())
+    return h.digest()
+
+
+# --- Shamir secret sharing over GF(2^521 - 1) --------------------------------------------------
+
+
+def shamir_split(
+    secret: int, *, threshold: int, n: int, randbelow: Callable[[int], int] = secrets.randbelow
+) -> list[int]:
+    """Shares f(1), ..., f(n) of a random polynomial f of degree threshold - 1 with f(0) = secret."""
+    if not 0 <= secret < FIELD_PRIME:
+        raise SecaggError("shamir: the secret must be an element of the field")
+    if not 1 <= threshold <= n:
+        raise SecaggError(f"shamir: expected 1 <= threshold <= n, got threshold {threshold} and n {n}")
+    coefficients = [secret] + [randbelow(FIELD_PRIME) for _ in range(threshold - 1)]
+    shares = []
+    for x in range(1, n + 1):
+        y = 0
+        for c in reversed(coefficients):
+            y = (y * x + c) % FIELD_PRIME
+        shares.append(y)
+    return shares
+
+
+def lagrange_at_zero(xs: Sequence[int]) -> list[int]:
+    """Coefficients l_i with f(0) = sum_i l_i f(x_i) for every polynomial of degree < len(xs)."""
+    out = []
+    for i, xi in enumerate(xs):
+        num, den = 1, 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                num = num * xj % FIELD_PRIME
+                den = den * (xj - xi) % FIELD_PRIME
+        out.append(num * pow(den, -1, FIELD_PRIME) % FIELD_PRIME)
+    return out
+
+
+def shamir_reconstruct(shares: Mapping[int, int], *, threshold: int, coefficients: Sequence[int] | None = None) -> int:
+    """f(0) from the ``threshold`` shares with the smallest x (the polynomial's degree is threshold - 1).
+
+    ``coefficients`` (from :func:`lagrange_at_zero` of those x) may be passed when many secrets
+    share the same x. Too few shares, or an x or y outside the field, is a SecaggError.
+    """
+    if len(shares) < threshold:
+        raise SecaggError(f"shamir: expected at least {threshold} shares, got {len(shares)}")
+    for x, y in shares.items():
+        if not 1 <= x < FIELD_PRIME or not 0 <= y < FIELD_PRIME:
+            raise SecaggError(f"shamir: share at x = {x} is not a point of the field")
+    xs = sorted(shares)[:threshold]
+    lam = lagrange_at_zero(xs) if coefficients is None else coefficients
+    if len(lam) != threshold:
+        raise SecaggError(f"shamir: expected {threshold} Lagrange coefficients, got {len(lam)}")
+    return sum(lam_i * shares[x] for lam_i, x in zip(lam, xs, strict=True)) % FIELD_PRIME
+
+
+def share_to_bytes(share: int) -> bytes:
+    return share.to_bytes(SHARE_BYTES, "little")
+
+
+def share_from_bytes(raw: bytes, *, what: str) -> int:
+    if len(raw) != SHARE_BYTES:
+        raise SecaggError(f"{what}: expected a {SHARE_BYTES}-byte share, got {len(raw)} bytes")
+    value = int.from_bytes(raw, "little")
+    if value >= FIELD_PRIME:
+        raise SecaggError(f"{what}: the share is not an element of GF(2^521 - 1)")
+    return value
+
+
+# --- the roster and the client's steps --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientSecrets:
+    """A client's secrets for one session: never reused by another session (reuse would unmask inputs)."""
+
+    encryption_secret: bytes = field(repr=False)
+    masking_secret: bytes = field(repr=False)
+    self_seed: bytes = field(repr=False)
+
+    @classmethod
+    def fresh(cls) -> ClientSecrets:
+        return cls(generate_keypair()[0], generate_keypair()[0], secrets.token_bytes(KEY_BYTES))
+
+    @property
+    def encryption_key(self) -> bytes:
+        return public_key_of(self.encryption_secret)
+
+    @property
+    def masking_key(self) -> bytes:
+        return public_key_of(self.masking_secret)
+
+    @property
+    def commitment(self) -> bytes:
+        return seed_commitment(self.self_seed)
+
+
+def _key_table(name: str, keys: object) -> NDArray[np.uint8]:
+    if not isinstance(keys, np.ndarray) or keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_BYTES:
+        found = f"{keys.dtype}{keys.shape}" if isinstance(keys, np.ndarray) else type(keys).__name__
+        raise SecaggError(f"{name}: expected uint8[n, {KEY_BYTES}], got {found}")
+    return keys
+
+
+@dataclass(frozen=True, eq=False)
+class Roster:
+    """U1: every client that advertised keys, in index order; the session's threshold m and its tag."""
+
+    run_id: str
+    round: int
+    threshold: int
+    encryption_keys: NDArray[np.uint8] = field(repr=False)
+    masking_keys: NDArray[np.uint8] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        enc = _key_table("encryption_keys", self.encryption_keys)
+        mask = _key_table("masking_keys", self.masking_keys)
+        n = enc.shape[0]
+        if mask.shape[0] != n:
+            raise SecaggError(f"roster: expected as many masking keys as encryption keys ({n}), got {mask.shape[0]}")
+        if not MIN_CLIENTS <= n <= MAX_CLIENTS:
+            raise SecaggError(f"roster: expected between {MIN_CLIENTS} and {MAX_CLIENTS} clients, got {n}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int):
+            raise SecaggError(f"threshold: expected an integer, got {self.threshold!r}")
+        if not MIN_CLIENTS <= self.threshold <= n:
+            raise SecaggError(
+                f"threshold: expected {MIN_CLIENTS} <= m <= {n} (the roster's size), got {self.threshold}"
+            )
+        every = [bytes(k) for k in np.concatenate([enc, mask])]
+        if len(set(every)) != len(every):
+            raise SecaggError("roster: expected every public key to be distinct, found a key listed twice")
+
+    @property
+    def size(self) -> int:
+        return int(self.encryption_keys.shape[0])
+
+    @property
+    def tag(self) -> bytes:
+        return session_tag(
+            run_id=self.run_id,
+            round=self.round,
+            threshold=self.threshold,
+            encryption_keys=self.encryption_keys,
+            masking_keys=self.masking_keys,
+        )
+
+    def index_of(self, encryption_key: bytes, masking_key: bytes) -> int:
+        """The index of the client holding these public keys; a SecaggError when it is not listed."""
+        hits = [
+            i
+            for i in range(self.size)
+            if self.encryption_keys[i].tobytes() == encryption_key and self.masking_keys[i].tobytes() == masking_key
+        ]
+        if len(hits) != 1:
+            raise SecaggError("roster: expected this client's advertised keys exactly once, found them missing")
+        return hits[0]
+
+    def check_peers(self, peers: object, *, name: str, own: int | None = None) -> NDArray[np.int64]:
+        """A strictly increasing int64 list of at least m roster indices (containing ``own`` when given)."""
+        if not isinstance(peers, np.ndarray) or peers.dtype != np.int64 or peers.ndim != 1:
+            found = f"{peers.dtype}{peers.shape}" if isinstance(peers, np.ndarray) else type(peers).__name__
+            raise SecaggError(f"{name}: expected an int64 list of roster indices, got {found}")
+        if peers.size and (peers[0] < 0 or peers[-1] >= self.size or np.any(np.diff(peers) <= 0)):
+            raise SecaggError(f"{name}: expected strictly increasing indices in [0, {self.size}), got {peers.tolist()}")
+        if peers.size < self.threshold:
+            raise SecaggError(
+                f"{name}: {peers.size} clients, fewer than the session's minimum m = {self.threshold}; "
+                "the session releases nothing"
+            )
+        if own is not None and own not in set(peers.tolist()):
+            raise SecaggError(f"{name}: expected this client's index {own} among them, found it missing")
+        return peers
+
+
+def share_ciphertexts(secrets_: ClientSecrets, roster: Roster, own: int) -> NDArray[np.uint8]:
+    """Step 2: row v holds (shares of b_u and of s_u's secret for x = v + 1), encrypted for client v."""
+    tag = roster.tag
+    n = roster.size
+    b_shares = shamir_split(int.from_bytes(secrets_.self_seed, "little"), threshold=roster.threshold, n=n)
+    sk_shares = shamir_split(int.from_bytes(secrets_.masking_secret, "little"), threshold=roster.threshold, n=n)
+    out = np.zeros((n, CIPHERTEXT_BYTES), dtype=np.uint8)
+    for v in range(n):
+        plaintext = share_keys_plaintext_concat(own, v, share_to_bytes(b_shares[v]), share_to_bytes(sk_shares[v]))
+        key = _share_key(
+            secrets_.encryption_secret, roster.encryption_keys[v].tobytes(), tag=tag, src=own, dst=v, peer=v
+        )
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        sealed = nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, tag + _pair(own, v))
+        out[v] = np.frombuffer(sealed, dtype=np.uint8)
+    return out
+
+
+def _share_key(secret: bytes, peer_public: bytes, *, tag: bytes, src: int, dst: int, peer: int) -> bytes:
+    """The AEAD key for shares sent from ``src`` to ``dst`` in this session (directional: one key per message)."""
+    shared = agree(secret, peer_public, what=f"encryption key of peer {peer}")
+    return _hkdf(shared, salt=tag, info=b"share-encryption" + _pair(src, dst))
+
+
+@dataclass(frozen=True)
+class OpenedShare:
+    """What peer ``src`` gave this client: its shares of b_src and of s_src's secret."""
+
+    src: int
+    seed_share: int = field(repr=False)
+    key_share: int = field(repr=False)
+
+
+def open_ciphertexts(
+    secrets_: ClientSecrets, roster: Roster, own: int, peers: NDArray[np.int64], ciphertexts: object
+) -> list[OpenedShare]:
+    """Step 3, first half: decrypt and check the shares each peer of U2 sent to this client.
+
+    A ciphertext that does not authenticate (another session's, another pair's, tampered,
+    or sealed under other keys) or whose plaintext names another pair is a SecaggError.
+    """
+    if not isinstance(ciphertexts, np.ndarray) or ciphertexts.dtype != np.uint8:
+        raise SecaggError(f"ciphertexts: expected uint8[{peers.size}, {CIPHERTEXT_BYTES}], got {ciphertexts!r:.60}")
+    if ciphertexts.shape != (peers.size, CIPHERTEXT_BYTES):
+        raise SecaggError(
+            f"ciphertexts: expected uint8[{peers.size}, {CIPHERTEXT_BYTES}] (one per peer), got {ciphertexts.shape}"
+        )
+    tag = roster.tag
+    out = []
+    for row, src in zip(ciphertexts, peers.tolist(), strict=True):
+        sealed = row.tobytes()
+        key = _share_key(
+            secrets_.encryption_secret, roster.encryption_keys[src].tobytes(), tag=tag, src=src, dst=own, peer=src
+        )
+        try:
+            plaintext = ChaCha20Poly1305(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], tag + _pair(src, own))
+        except InvalidTag as exc:
+            raise SecaggError(
+                f"share from peer {src} to {own}: does not authenticate for this session (replayed from another "
+                "session or pair, tampered, or sealed under other keys)"
+            ) from exc
+        if len(plaintext) != PLAINTEXT_BYTES:
+            raise SecaggError(
+                f"share from peer {src}: expected {PLAINTEXT_BYTES} plaintext bytes, got {len(plaintext)}"
+            )
+        got_src, got_dst, b_raw, sk_raw = share_keys_plaintext_separate(plaintext)
+        if (got_src, got_dst) != (src, own) or len(b_raw) != SHARE_BYTES:
+            raise SecaggError(f"share from peer {src} to {own}: the plaintext names peers {got_src} -> {got_dst}")
+        out.append(
+            OpenedShare(
+                src,
+                share_from_bytes(b_raw, what=f"seed share from peer {src}"),
+                share_from_bytes(sk_raw, what=f"key share from peer {src}"),
+            )
+        )
+    return out
+
+
+def masked_input(
+    encoded: NDArray[np.int64], secrets_: ClientSecrets, roster: Roster, own: int, peers: NDArray[np.int64]
+) -> NDArray[np.uint64]:
+    """Step 3: y_u = x_u + PRG(b_u) + sum_{v in U2, v != u} sign(u, v) PRG(s_uv)  (mod 2^64)."""
+    tag = roster.tag
+    dim = int(encoded.size)
+    y = to_ring(encoded).copy()
+    y += expand_mask(self_mask_seed(secrets_.self_seed, tag=tag), dim)
+    for v in peers.tolist():
+        if v == own:
+            continue
+        mask = expand_mask(
+            pairwise_seed(secrets_.masking_secret, roster.masking_keys[v].tobytes(), tag=tag, u=own, v=v), dim
+        )
+        if own < v:
+            y += mask
+        else:
+            y -= mask
+    return y
+
+
+@dataclass(frozen=True, eq=False)
+class Revealed:
+    """Step 4's answer: shares of b_v for survivors, shares of s_v's secret for the dropped, never both."""
+
+    seed_peers: NDArray[np.int64]
+    seed_shares: NDArray[np.uint8] = field(repr=False)
+    key_peers: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    key_shares: NDArray[np.uint8] = field(default_factory=lambda: np.zeros((0, SHARE_BYTES), np.uint8), repr=False)
+
+
+def reveal(opened: Iterable[OpenedShare], survivors: NDArray[np.int64]) -> Revealed:
+    """For each peer of U2: its seed share if it survived, else its key share (SecAgg's one-or-the-other rule)."""
+    alive = set(survivors.tolist())
+    seeds = [(o.src, o.seed_share) for o in opened if o.src in alive]
+    keys = [(o.src, o.key_share) for o in opened if o.src not in alive]
+
+    def table(items: list[tuple[int, int]]) -> tuple[NDArray[np.int64], NDArray[np.uint8]]:
+        peers = np.array([p for p, _ in items], dtype=np.int64)
+        raw = b"".join(share_to_bytes(s) for _, s in items)
+        return peers, np.frombuffer(raw, dtype=np.uint8).reshape(len(items), SHARE_BYTES).copy()
+
+    return Revealed(*table(seeds), *table(keys))
+
+
+# --- the server's step 4 ----------------------------------------------------------------------
+
+
+def _share_rows(name: str, peers: object, shares: object) -> dict[int, int]:
+    if not isinstance(peers, np.ndarray) or peers.dtype != np.int64 or peers.ndim != 1:
+        raise SecaggError(f"{name}: expected an int64 list of peers, got {peers!r:.60}")
+    if not isinstance(shares, np.ndarray) or shares.dtype != np.uint8 or shares.shape != (peers.size, SHARE_BYTES):
+        found = f"{shares.dtype}{shares.shape}" if isinstance(shares, np.ndarray) else type(shares).__name__
+        raise SecaggError(f"{name}: expected uint8[{peers.size}, {SHARE_BYTES}], got {found}")
+    out = {}
+    for p, row in zip(peers.tolist(), shares, strict=True):
+        if p in out:
+            raise SecaggError(f"{name}: peer {p} listed twice")
+        out[p] = share_from_bytes(row.tobytes(), what=f"{name} of peer {p}")
+    return out
+
+
+def unmask_sum(
+    roster: Roster,
+    *,
+    shared: NDArray[np.int64],
+    masked: Mapping[int, NDArray[np.uint64]],
+    revealed: Mapping[int, Revealed],
+    commitments: Mapping[int, bytes],
+    dim: int,
+) -> NDArray[np.uint64]:
+    """Step 4, server side: the sum of the survivors' encoded inputs (mod 2^64), or a SecaggError.
+
+    ``shared`` is U2; ``masked`` holds the masked inputs of U3; ``revealed`` the answers of
+    U4 (by responder index). Refused: fewer than m survivors or responders, a responder that
+    reveals both shares of one peer or shares of peers outside U2, a survivor's seed that does
+    not match its commitment, a dropped client's key that does not match its advertised key.
+    """
+    masked = {int(k): v for k, v in masked.items()}
+    revealed = {int(k): v for k, v in revealed.items()}
+    peers = roster.check_peers(shared, name="U2 (clients that shared keys)")
+    u2 = set(peers.tolist())
+    survivors = np.array(sorted(masked), dtype=np.int64)
+    roster.check_peers(survivors, name="U3 (masked inputs received)")
+    u3 = set(survivors.tolist())
+    if not u3 <= u2:
+        raise SecaggError(f"U3: expected survivors among U2, found {sorted(u3 - u2)}")
+    if not set(revealed) <= u3:
+        raise SecaggError(f"U4: expected responders among the survivors U3, found {sorted(set(revealed) - u3)}")
+    if len(revealed) < roster.threshold:
+        raise SecaggError(
+            f"U4: {len(revealed)} clients answered the unmask step, fewer than the threshold m = {roster.threshold}; "
+            "the session releases nothing"
+        )
+    dropped = u2 - u3
+    seed_points: dict[int, dict[int, int]] = {v: {} for v in u3}
+    key_points: dict[int, dict[int, int]] = {w: {} for w in dropped}
+    for responder, answer in revealed.items():
+        seeds = _share_rows(f"seed shares from client {responder}", answer.seed_peers, answer.seed_shares)
+        keys = _share_rows(f"key shares from client {responder}", answer.key_peers, answer.key_shares)
+        if set(seeds) != u3 or set(keys) != dropped:
+            raise SecaggError(
+                f"unmask answer of client {responder}: expected seed shares for U3 {sorted(u3)} and key shares for "
+                f"the dropped {sorted(dropped)}, found {sorted(seeds)} and {sorted(keys)}"
+            )
+        for v, s in seeds.items():
+            seed_points[v][responder + 1] = s
+        for w, s in keys.items():
+            key_points[w][responder + 1] = s
+    xs = sorted(r + 1 for r in revealed)[: roster.threshold]
+    lam = lagrange_at_zero(xs)
+    total = np.zeros(dim, dtype=np.uint64)
+    tag = roster.tag
+    for v in sorted(u3):
+        y = masked[v]
+        if not isinstance(y, np.ndarray) or y.dtype != np.uint64 or y.shape != (dim,):
+            found = f"{y.dtype}{y.shape}" if isinstance(y, np.ndarray) else type(y).__name__
+            raise SecaggError(f"masked input of client {v}: expected uint64[{dim}], got {found}")
+        total += y
+        seed = _secret_bytes(shamir_reconstruct(seed_points[v], threshold=roster.threshold, coefficients=lam))
+        if seed is None or seed_commitment(seed) != commitments.get(v):
+            raise SecaggError(
+                f"client {v}: the reconstructed self-mask seed does not match its commitment (inconsistent shares)"
+            )
+        total -= expand_mask(self_mask_seed(seed, tag=tag), dim)
+    for w in sorted(dropped):
+        secret = _secret_bytes(shamir_reconstruct(key_points[w], threshold=roster.threshold, coefficients=lam))
+        if secret is None or public_key_of(secret) != roster.masking_keys[w].tobytes():
+            raise SecaggError(
+                f"dropped client {w}: the reconstructed masking key does not match its advertised key "
+                "(inconsistent shares)"
+            )
+        for v in sorted(u3):
+            mask = expand_mask(pairwise_seed(secret, roster.masking_keys[v].tobytes(), tag=tag, u=w, v=v), dim)
+            if v < w:
+                total -= mask
+            else:
+                total += mask
+    return total
+
+
+def _secret_bytes(value: int) -> bytes | None:
+    return value.to_bytes(KEY_BYTES, "little") if value < 1 << (8 * KEY_BYTES) else None
