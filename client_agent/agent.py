@@ -30,9 +30,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from client_agent import secagg_client
 from client_agent.config import AgentConfig
+from client_agent.ledger import TRUST_MODES as LEDGER_TRUST_MODES
 from client_agent.ledger import Ledger, LedgerConfig, LedgerError
 from protocol import messages as wire
+from protocol import secagg as sa
 from protocol.filters import FilterState, charge, clip_scales, partial_clip
 from protocol.realisation import RealisationState, advance, decide, realised_loss
 
@@ -138,14 +141,20 @@ class Agent:
         initial["halt_round"] = np.full(self.n_units, -1, dtype=np.int64)
         initial["monitor_last"] = np.zeros(1, dtype=np.int64)
         initial["monitor_run"] = np.zeros(1, dtype=np.int64)  # the run that owns the SVT (0: none yet)
+        params: dict[str, Any] = {"filter": described, "monitor": config.monitor.describe(), "data_sha256": fingerprint}
+        ledger_trust = config.trust
+        if ledger_trust not in LEDGER_TRUST_MODES:
+            # The ledger's own field knows only local and central: a secagg ledger is fixed to 'central' plus
+            # params['trust'], so that neither a local nor a central agent can ever open it.
+            params["trust"], ledger_trust = config.trust, "central"
         self.ledger_config = LedgerConfig(
             filter=config.filter,
             epsilon=config.epsilon,
             delta=config.delta,
             unit=config.unit,
-            trust=config.trust,
+            trust=ledger_trust,
             n_units=self.n_units,
-            params={"filter": described, "monitor": config.monitor.describe(), "data_sha256": fingerprint},
+            params=params,
         )
         self.ledger = Ledger.open(config.ledger_path, self.ledger_config, initial_state=initial)
 
@@ -161,13 +170,11 @@ class Agent:
             if isinstance(request, wire.StatusRequest):
                 return Outcome(*wire.StatusReply(request.request_id, self.status_json()).encode())
             digest = wire.request_digest(message_type, config, arrays)
-            stored = self.ledger.lookup(request.request_id)
+            # A secure-aggregation step is stored under its session, not its request id: at most once each.
+            stored = self.ledger.lookup(secagg_client.ledger_id(request))
             if stored is not None:
                 if stored.digest != digest:
-                    raise ReplayError(
-                        f"request id {request.request_id!r} was answered before with other content; "
-                        "a new request needs a new id"
-                    )
+                    raise ReplayError(secagg_client.replay_reason(request))
                 return Outcome(*unpack_reply(stored.reply))
             self.check_policy(request)
             return self.answer(request, digest)
@@ -177,6 +184,9 @@ class Agent:
             return Outcome(error_code=wire.ERR_POLICY, error_reason=str(exc))
         except ReplayError as exc:
             return Outcome(error_code=wire.ERR_REPLAY, error_reason=str(exc))
+        except sa.SecaggError as exc:
+            # Session, roster, share and range checks: they read public values, keys and shares, never data.
+            return Outcome(error_code=wire.ERR_MALFORMED, error_reason=str(exc))
         except LedgerError as exc:
             return Outcome(error_code=wire.ERR_LEDGER, error_reason=str(exc))
         except Exception as exc:
@@ -195,6 +205,7 @@ class Agent:
         """
         ledger = json.loads(self.ledger_config.to_json())
         ledger["params"] = {k: v for k, v in ledger["params"].items() if k != "data_sha256"}
+        ledger["trust"] = self.config.trust
         return json.dumps({"ledger": ledger, "policy": self.config.policy.describe()}, sort_keys=True)
 
     # -- policy -----------------------------------------------------------------------
@@ -223,6 +234,11 @@ class Agent:
                 )
             if request.l2_clip > policy.max_clip:
                 raise PolicyError(f"l2_clip {request.l2_clip!r} asked; the policy allows at most {policy.max_clip!r}")
+        if isinstance(request, wire.SecaggSharesRequest) and request.min_clients < policy.min_secagg_clients:
+            raise PolicyError(
+                f"secagg min_clients {request.min_clients} asked; the policy requires at least "
+                f"{policy.min_secagg_clients} clients in every sum"
+            )
         params = getattr(request, "parameters", None)
         if params is not None and params.size > policy.max_model_params:
             raise PolicyError(
@@ -239,18 +255,29 @@ class Agent:
 
     def answer(self, request: wire.Request, digest: str) -> Outcome:
         state = self.ledger.state()
-        if isinstance(request, wire.MonitorRequest):
+        new_state = state
+        if isinstance(request, wire.SecaggKeysRequest):
+            cfg, arrs, release = secagg_client.advertise(request)
+        elif isinstance(request, wire.SecaggSharesRequest):
+            cfg, arrs, release = secagg_client.share_keys(self.ledger, request)
+        elif isinstance(request, wire.SecaggUnmaskRequest):
+            cfg, arrs, release = secagg_client.unmask(self.ledger, request)
+        elif isinstance(request, wire.MonitorRequest):
             reply, new_state, release = self.monitor_reply(request, state)
+            cfg, arrs = reply.encode()
         else:
             assert isinstance(request, (wire.GradientRequest, wire.IndicatorRequest))
+            masked = None
+            if request.secagg is not None:  # checked before any data is read
+                masked = self.secagg_context(request, request.secagg, request.noise_std, request.l2_clip)
             rows = self.contributions(request)
             fault_point("after_compute")
-            reply, new_state, release = self.release(request, rows, state)
+            reply, new_state, release = self.release(request, rows, state, masked=masked)
+            cfg, arrs = reply.encode()
         check_monotone(state, new_state)
-        cfg, arrs = reply.encode()
         blob = pack_reply(cfg, arrs)
         self.ledger.commit(
-            request_id=request.request_id,
+            request_id=secagg_client.ledger_id(request),
             message_type=wire.message_type_of(request),
             run_id=request.run_id,
             digest=digest,
@@ -260,6 +287,14 @@ class Agent:
         )
         fault_point("after_commit")
         return Outcome(*unpack_reply(blob))
+
+    def secagg_context(
+        self, request: wire.Request, secagg: wire.SecaggInput, noise_std: float, l2_clip: float
+    ) -> secagg_client.MaskedContext:
+        """Step 3's session, shares and ranges, checked from public values before any data is read."""
+        return secagg_client.prepare_masked(
+            self.ledger, request, secagg, noise_std=noise_std, n_units=self.n_units, l2_clip=l2_clip
+        )
 
     def rng(self, request_id: str) -> np.random.Generator:
         """Noise source: OS entropy, or (simulations and tests) a seed mixed with the request id."""
@@ -281,9 +316,17 @@ class Agent:
         request: wire.GradientRequest | wire.IndicatorRequest,
         rows: NDArray[np.float32],
         state: dict[str, NDArray[Any]],
-    ) -> tuple[wire.ContributionReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
-        """Clip, price, noise: the reply, the new filter state and the release record."""
+        *,
+        masked: secagg_client.MaskedContext | None = None,
+    ) -> tuple[wire.ContributionReply | wire.MaskedInputReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
+        """Clip, price, noise: the reply, the new filter state and the release record.
+
+        In secagg trust (``masked``) each unit's clip leaves room for the fixed-point rounding
+        slack sqrt(d) / 2^k, and its charge includes it (protocol.secagg.rounding_slack): the
+        charge is ||v|| + slack against the total noise sigma, which every sum of >= m inputs carries.
+        """
         sigma, clip = request.noise_std, request.l2_clip
+        slack = 0.0 if masked is None else sa.rounding_slack(rows.shape[1], masked.scale_bits)
         # A unit whose contribution is not finite (an overflow at extreme parameters) contributes
         # the null element's zero and pays nothing. Refusing instead would answer, uncharged, a
         # question about the client's data: whether some record overflows (privacy.md §1, §2).
@@ -294,9 +337,13 @@ class Agent:
         if self.gaussian is not None:
             fstate = FilterState(spent=state["spent"], stopped=state["stopped"])
             bounds = partial_clip(self.gaussian, fstate, noise_std=sigma, l2_clip=clip)
+            if slack:
+                bounds = np.maximum(bounds - slack, 0.0)
             scales = clip_scales(norms, bounds, dtype_eps=FLOAT32_EPS).astype(np.float32)
             clipped = rows * scales[:, None]
             clipped_norms = np.linalg.norm(clipped.astype(np.float64), axis=1)
+            if slack:
+                clipped_norms = np.where(clipped_norms > 0, clipped_norms + slack, 0.0)
             result = charge(self.gaussian, fstate, noise_std=sigma, l2_norms=clipped_norms)
             clipped[~result.admitted] = 0.0
             record = result.release(kind=kind, round_id=request.request_id, noise_std=sigma, l2_norms=clipped_norms)
@@ -346,6 +393,9 @@ class Agent:
         halt[newly & (halt < 0)] = request.round
         new_state["halt_round"] = halt
         total = clipped.sum(axis=0, dtype=np.float64)
+        if masked is not None:
+            release.update(masked.release_fields())
+            return secagg_client.masked_reply(masked, total, self.rng(request.request_id)), new_state, release
         if noise is not None:
             total = total + noise
         trust = self.config.trust
@@ -365,7 +415,7 @@ class Agent:
 
     def monitor_reply(
         self, request: wire.MonitorRequest, state: dict[str, NDArray[Any]]
-    ) -> tuple[wire.ContributionReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
+    ) -> tuple[wire.ContributionReply | wire.MaskedInputReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
         """The monitor's report for round t (privacy.md §7); its cost was reserved at enrolment.
 
         ``tree`` (local): for each level i of the binary tree whose node closes at t
@@ -373,6 +423,8 @@ class Agent:
         (t - 2^i, t], plus N(0, noise_std^2); levels that do not close report 0 + noise
         too, so the shape never varies. ``svt`` (central): the exact number of active
         units, for the trusted coordinator's sparse vector. Each round is reported once.
+        ``tree`` under secagg: the same counts with noise N(0, noise_std^2 / m) per node, masked,
+        so that the sum over >= m clients carries the node noise noise_std^2 the reservation prices.
         """
         monitor = self.config.monitor
         if monitor.kind == "none":
@@ -400,12 +452,18 @@ class Agent:
             return reply, new_state, {"kind": np.array("monitor"), "round": np.array([t])}
         if t > monitor.max_rounds:
             raise PolicyError(f"monitor round {t} asked; the reserved tree covers at most {monitor.max_rounds} rounds")
+        masked = None
+        if request.secagg is not None:  # halt counts are at most n_units per node
+            masked = self.secagg_context(request, request.secagg, monitor.noise_std, 1.0)
         halt = state["halt_round"]
         counts = np.zeros(monitor.levels)
         for level in range(monitor.levels):
             width = 1 << level
             if t % width == 0:
                 counts[level] = np.count_nonzero((halt > t - width) & (halt <= t))
+        if masked is not None:
+            release = {"kind": np.array("monitor"), **masked.release_fields()}
+            return secagg_client.masked_reply(masked, counts, self.rng(request.request_id)), new_state, release
         noisy = counts + self.rng(request.request_id).normal(0.0, monitor.noise_std, monitor.levels)
         reply = wire.ContributionReply(
             request.request_id, wire.REPLY_OK, "local", monitor.noise_std, noisy.astype(np.float32)

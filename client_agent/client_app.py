@@ -84,11 +84,13 @@ def simulation_node_config(per_partition: Mapping[int, Mapping[str, Any]]) -> Ca
 
 
 def register_handlers(client: ClientApp) -> ClientApp:
-    """Route the protocol's four message types to :func:`handle_message`."""
+    """Route the protocol's message types to :func:`handle_message` (secagg's steps included)."""
     client.train("gradient")(handle_message)
     client.query("indicator")(handle_message)
     client.query("monitor")(handle_message)
     client.query("status")(handle_message)
+    for step in wire.SECAGG_STEPS:  # "query.secagg_keys" -> query("secagg_keys")
+        client.query(step.split(".", 1)[1])(handle_message)
     return client
 
 

@@ -40,6 +40,8 @@ class Policy:
     allowed_trust: tuple[str, ...] = TRUST_MODES
     max_model_params: int = 10_000_000
     max_rounds_per_run: int = 100_000
+    # secagg trust: the fewest clients whose inputs a session may sum (m); each adds sigma^2 / m of the noise.
+    min_secagg_clients: int = 2
 
     def describe(self) -> dict[str, object]:
         return {
@@ -50,6 +52,7 @@ class Policy:
             "allowed_trust": list(self.allowed_trust),
             "max_model_params": self.max_model_params,
             "max_rounds_per_run": self.max_rounds_per_run,
+            "min_secagg_clients": self.min_secagg_clients,
         }
 
 
@@ -133,8 +136,8 @@ class AgentConfig:
                 )
             if self.monitor.kind != "none":
                 raise AgentConfigError("monitor: the realisation filter does not reserve a monitor yet; use 'none'")
-        if self.monitor.kind == "tree" and self.trust != "local":
-            raise AgentConfigError("monitor: 'tree' is the local-trust monitor; central trust uses 'svt'")
+        if self.monitor.kind == "tree" and self.trust not in ("local", "secagg"):
+            raise AgentConfigError("monitor: 'tree' is the local-trust monitor (also secagg); central trust uses 'svt'")
         if self.monitor.kind == "svt" and self.trust != "central":
             raise AgentConfigError("monitor: 'svt' is the central-trust monitor; local trust uses 'tree'")
         if self.monitor.kind == "svt" and not 0 < self.monitor.epsilon_svt < self.epsilon:
@@ -188,6 +191,7 @@ _KEYS = {
     "policy-allowed-trust",
     "policy-max-model-params",
     "policy-max-rounds-per-run",
+    "policy-secagg-min-clients",
     "noise-seed",
 }
 # Keys Flower itself puts into a simulated node's config.
@@ -245,7 +249,10 @@ def parse_agent_config(node_config: Mapping[str, Any]) -> AgentConfig:
         allowed_trust=_names(raw, "policy-allowed-trust", TRUST_MODES),
         max_model_params=_get(raw, "policy-max-model-params", int, 10_000_000),
         max_rounds_per_run=_get(raw, "policy-max-rounds-per-run", int, 100_000),
+        min_secagg_clients=_get(raw, "policy-secagg-min-clients", int, 2),
     )
+    if policy.min_secagg_clients < 2:
+        raise AgentConfigError(f"policy-secagg-min-clients: expected an integer >= 2, got {policy.min_secagg_clients}")
     monitor_kind = _get(raw, "monitor", str, "none")
     if monitor_kind not in ("none", "tree", "svt"):
         raise AgentConfigError(f"monitor: expected 'none', 'tree' or 'svt', got {monitor_kind!r}")

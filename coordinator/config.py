@@ -67,6 +67,10 @@ class CoordinatorConfig:
     # Central-trust noise and the SVT's noise come from OS entropy. A fixed seed makes them
     # reproducible by anyone who knows it, which undoes the privacy: simulations and tests only.
     noise_seed: int | None = None
+    # secagg trust (coordinator/secagg.py): m, the fewest clients a sum may hold (0: max(2, ceil(2n/3)) of the
+    # enrolled clients), and the fixed-point scale 2^k of the encoded inputs.
+    secagg_min_clients: int = 0
+    secagg_scale_bits: int = 24
     round_timeout: float = 120.0
     enrol_timeout: float = 120.0
 
@@ -97,8 +101,18 @@ class CoordinatorConfig:
             raise CoordinatorConfigError(f"model_args: expected a JSON object, got {self.model_args!r}")
         if self.monitor == "svt" and self.trust != "central":
             raise CoordinatorConfigError("monitor: 'svt' runs on exact counts and needs trust 'central'; use 'tree'")
-        if self.monitor == "tree" and self.trust != "local":
-            raise CoordinatorConfigError("monitor: 'tree' is the local-trust monitor; central trust uses 'svt'")
+        if self.monitor == "tree" and self.trust not in ("local", "secagg"):
+            raise CoordinatorConfigError("monitor: 'tree' is the local-trust monitor (also secagg); central uses 'svt'")
+        if self.trust == "secagg":
+            m = self.secagg_min_clients
+            if isinstance(m, bool) or not isinstance(m, int) or not (m == 0 or 2 <= m <= self.num_nodes):
+                raise CoordinatorConfigError(
+                    f"secagg_min_clients: expected 0 (default) or an integer in [2, num_nodes = {self.num_nodes}], "
+                    f"got {m!r}"
+                )
+            bits = self.secagg_scale_bits
+            if isinstance(bits, bool) or not isinstance(bits, int) or not 8 <= bits <= 52:
+                raise CoordinatorConfigError(f"secagg_scale_bits: expected an integer in [8, 52], got {bits!r}")
         if self.monitor == "svt":
             eps = self.monitor_epsilon
             if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:

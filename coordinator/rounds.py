@@ -17,6 +17,11 @@ and a unit in its last, partially clipped round contributes its clipped value.)
 
 Robust rounds: missing replies and error replies (counted by code and by reason) do not stop
 a round; n is public, so the privacy statement does not change.
+
+Secagg trust: every release (the round's, the plateau count's, the tree monitor's) is one
+secure-aggregation session (coordinator/secagg.py); the coordinator learns only the sum of
+at least m clients' masked inputs, each holding its noise share N(0, sigma^2 / m). A session
+with fewer than m survivors releases nothing: the round takes no step and answers nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from coordinator.analysts import Analyst, Answer, Query, build_analyst
 from coordinator.config import CoordinatorConfig
 from coordinator.monitor import SvtMonitor, TreeMonitor, Verdict, gaussian_bound
 from coordinator.report import Progress, RunWriter
+from coordinator.secagg import SecaggRound, SecaggSettings, default_min_clients, secagg_release
 from coordinator.transport import RoundReplies, Transport
 from protocol import messages as wire
 from protocol.filters import GaussianFilter, rounds_within
@@ -65,6 +71,7 @@ class Enrolment:
     privacy: dict[str, Any]
     worst_case_threshold: float  # the GDP threshold at the weakest client's (epsilon, delta), monitor reserved
     excluded: dict[str, int] = field(default_factory=dict)
+    secagg: SecaggSettings | None = None  # secagg trust only
 
 
 def _monitor_matches(cfg: CoordinatorConfig, reserved: dict[str, Any]) -> str | None:
@@ -178,6 +185,7 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
     worst = GaussianFilter.gdp(epsilon=worst_eps, delta=worst_delta)
     if squared_reserved:
         worst = worst.reserve(squared_budget=squared_reserved)
+    secagg = _secagg_settings(cfg, statuses, monitor_reserved) if cfg.trust == "secagg" else None
     privacy = {
         "epsilon": epsilon,
         "delta": delta,
@@ -186,24 +194,76 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
         "trust": cfg.trust,
         "monitor_reserved": monitor_reserved,
         "clients_enrolled": len(statuses),
-        "statement": _statement(cfg, epsilon, delta, filters, len(statuses)),
+        "statement": _statement(cfg, epsilon, delta, filters, len(statuses), secagg),
     }
+    if secagg is not None:
+        privacy["secagg"] = {
+            "min_clients": secagg.min_clients,
+            "scale_bits": secagg.scale_bits,
+            "noise_share": f"N(0, sigma^2 / {secagg.min_clients}) per client",
+            "rule": "each client charges ||v|| + sqrt(d) / 2^scale_bits against sigma when its masked input leaves",
+        }
     return Enrolment(
         nodes=sorted(statuses),
         units_enrolled=units,
         privacy=privacy,
         worst_case_threshold=worst.threshold,
         excluded=dict(excluded),
+        secagg=secagg,
     )
 
 
-def _statement(cfg: CoordinatorConfig, epsilon: float, delta: float, filters: list[str], clients: int) -> str:
+def _secagg_settings(
+    cfg: CoordinatorConfig, statuses: dict[int, dict[str, Any]], monitor_reserved: dict[str, Any]
+) -> SecaggSettings:
+    """m and the fixed point of a secagg run; refused when the enrolled clients cannot form a sum of m."""
+    m = cfg.secagg_min_clients or default_min_clients(len(statuses))
+    if m > len(statuses):
+        raise EnrolmentError(f"secagg: m = {m} clients per sum asked; only {len(statuses)} clients enrolled")
+    floors = [s.get("policy", {}).get("min_secagg_clients", 2) for s in statuses.values()]
+    floor = max(int(f) if isinstance(f, int) and not isinstance(f, bool) else 2 for f in floors)
+    if m < floor:
+        raise EnrolmentError(f"the clients did not accept this run: secagg m = {m} asked; a client requires >= {floor}")
+    levels = 0
+    if cfg.monitor == "tree":
+        # The masked reports are summed coordinate by coordinate: every client must report the same tree.
+        found = {s["ledger"]["params"]["monitor"].get("levels") for s in statuses.values()}
+        if len(found) != 1 or not isinstance(next(iter(found)), int) or next(iter(found)) < tree_levels(cfg.rounds):
+            raise EnrolmentError(
+                f"the clients did not accept this run: secagg sums the tree monitor's reports, so every client must "
+                f"reserve the same tree of >= {tree_levels(cfg.rounds)} levels; found levels {sorted(map(str, found))}"
+            )
+        levels = int(next(iter(found)))
+    return SecaggSettings(
+        min_clients=m,
+        scale_bits=cfg.secagg_scale_bits,
+        monitor_noise_std=float(monitor_reserved.get("noise_std", 0.0)),
+        monitor_levels=levels,
+    )
+
+
+def _statement(
+    cfg: CoordinatorConfig,
+    epsilon: float,
+    delta: float,
+    filters: list[str],
+    clients: int,
+    secagg: SecaggSettings | None = None,
+) -> str:
     who = "Every record held by" if cfg.unit == "record" else "Every one of"
     where = (
         "each client added its own Gaussian noise before anything left it (local trust)"
         if cfg.trust == "local"
         else "the coordinator added the Gaussian noise once to the sum (central trust)"
     )
+    if secagg is not None:
+        m = secagg.min_clients
+        where = (
+            f"each client added N(0, sigma^2/{m}) to its input and masked it, charging its filter at the total "
+            f"noise sigma when the masked input left; the coordinator learned only sums of at least m = {m} "
+            "clients' inputs (secure aggregation), so the guarantee holds whenever at least m honest clients "
+            "took part in each sum and the coordinator followed the protocol (secagg trust, honest-but-curious)"
+        )
     monitor = {
         "none": "no active-set monitor ran",
         "svt": f"the sparse-vector monitor (epsilon_svt = {cfg.monitor_epsilon:g}) is included",
@@ -233,6 +293,7 @@ class RoundLog:
     release_noise_std: float  # std of the noise in the released sum
     duration_s: float
     monitor: dict[str, Any] = field(default_factory=dict)
+    secagg: dict[str, Any] = field(default_factory=dict)  # clients left after each step, or why it aborted
     metrics: dict[str, float] = field(default_factory=dict)
     query: dict[str, Any] | None = None
     answer: float | None = None
@@ -275,9 +336,26 @@ def _private_accuracy(
     params: np.ndarray,
     rng: np.random.Generator,
     errors: Counter[str],
+    secagg: SecaggSettings | None = None,
 ) -> float:
     """Noisy count of correctly classified training records / n (a counting release every filter charges)."""
     query = Query("correct")
+    if secagg is not None:
+        masked = _secagg(
+            transport,
+            cfg,
+            secagg,
+            nodes,
+            rnd,
+            "plateau",
+            wire.INDICATOR,
+            lambda node, s: _indicator_request(cfg, "plateau", rnd, node, query, params, secagg=s),
+            1,
+            cfg.noise_std,
+        )
+        for name, count in masked.replies.errors.items():
+            errors[f"plateau-{name}"] += count
+        return math.nan if masked.total is None else float(masked.total[0]) / cfg.n_public
     payloads = {
         node: wire.encode_request(_indicator_request(cfg, "plateau", rnd, node, query, params)) for node in nodes
     }
@@ -296,7 +374,28 @@ def _monitor_round(
     rnd: int,
     monitor: SvtMonitor | TreeMonitor,
     errors: Counter[str],
+    secagg: SecaggSettings | None = None,
 ) -> Verdict:
+    if secagg is not None:
+        assert isinstance(monitor, TreeMonitor)
+        masked = _secagg(
+            transport,
+            cfg,
+            secagg,
+            nodes,
+            rnd,
+            "monitor",
+            wire.MONITOR,
+            lambda node, s: wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}:n{node}", cfg.run_id, rnd, cfg.trust, s),
+            secagg.monitor_levels,
+            secagg.monitor_noise_std,
+        )
+        for name, count in masked.replies.errors.items():
+            errors[f"monitor-{name}"] += count
+        # An aborted session leaves round t's nodes at 0 (their halts are lost: the estimate errs towards
+        # "more active", as with a client that misses a round in local trust).
+        reports = [] if masked.total is None else [(masked.total[: monitor.levels], math.sqrt(masked.noise_var))]
+        return monitor.add_round(rnd, reports)
     payloads = {
         node: wire.encode_request(
             wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}:n{node}", cfg.run_id, rnd, cfg.trust)
@@ -325,6 +424,34 @@ def _monitor_round(
     if len(good) < len(reports):
         errors["monitor-wrong-shape"] += len(reports) - len(good)
     return monitor.add_round(rnd, good)
+
+
+def _secagg(
+    transport: Transport,
+    cfg: CoordinatorConfig,
+    settings: SecaggSettings,
+    nodes: list[int],
+    rnd: int,
+    purpose: str,
+    kind: str,
+    build: Callable[[int, wire.SecaggInput], wire.Request],
+    size: int,
+    noise_std: float,
+) -> SecaggRound:
+    """One secure-aggregation session of this run (coordinator/secagg.py)."""
+    return secagg_release(
+        transport,
+        run_id=cfg.run_id,
+        rnd=rnd,
+        purpose=purpose,
+        nodes=nodes,
+        settings=settings,
+        kind=kind,
+        build=build,
+        size=size,
+        noise_std=noise_std,
+        timeout=cfg.round_timeout,
+    )
 
 
 def run(
@@ -371,11 +498,31 @@ def run(
             if query is None:
                 stopped_because = "analyst_done"
                 break
-        payloads = {node: wire.encode_request(_request(cfg, rnd, node, params, query)) for node in nodes}
         kind = wire.GRADIENT if cfg.task == "gradient" else wire.INDICATOR
-        got = transport.send(kind, payloads, timeout=cfg.round_timeout)
-        errors: Counter[str] = Counter(got.errors)
-        total, noise_var = _released_sum(cfg, got, params.size if cfg.task == "gradient" else 1, rng, errors)
+        size = params.size if cfg.task == "gradient" else 1
+        masked: SecaggRound | None = None
+        total: np.ndarray | None
+        if enrolment.secagg is not None:
+            masked = _secagg(
+                transport,
+                cfg,
+                enrolment.secagg,
+                nodes,
+                rnd,
+                cfg.task,
+                kind,
+                lambda node, s, rnd=rnd, params=params, query=query: _request(cfg, rnd, node, params, query, secagg=s),
+                size,
+                cfg.noise_std,
+            )
+            got = masked.replies
+            errors: Counter[str] = Counter(got.errors)
+            total, noise_var = masked.total, masked.noise_var
+        else:
+            payloads = {node: wire.encode_request(_request(cfg, rnd, node, params, query)) for node in nodes}
+            got = transport.send(kind, payloads, timeout=cfg.round_timeout)
+            errors = Counter(got.errors)
+            total, noise_var = _released_sum(cfg, got, size, rng, errors)
         log = RoundLog(
             round=rnd,
             task=cfg.task,
@@ -386,13 +533,17 @@ def run(
             noise_std=cfg.noise_std,
             release_noise_std=math.sqrt(noise_var),
             duration_s=0.0,
+            secagg={} if masked is None else masked.counts,
         )
         if cfg.task == "gradient":
-            params = (params - cfg.learning_rate * total / cfg.n_public).astype(np.float32)
+            if total is not None:  # None: the secagg session released nothing, the model stays
+                params = (params - cfg.learning_rate * total / cfg.n_public).astype(np.float32)
             if cfg.plateau_every and rnd % cfg.plateau_every == 0:
-                accuracy = _private_accuracy(transport, cfg, nodes, rnd, params, rng, errors)
+                accuracy = _private_accuracy(transport, cfg, nodes, rnd, params, rng, errors, enrolment.secagg)
                 log.metrics["train_accuracy_private"] = accuracy
-                if accuracy > plateau_best + cfg.plateau_min_delta:
+                if math.isnan(accuracy):
+                    pass  # an aborted secagg count says nothing: neither better nor stale
+                elif accuracy > plateau_best + cfg.plateau_min_delta:
                     plateau_best, plateau_stale = accuracy, 0
                 else:
                     plateau_stale += 1
@@ -401,15 +552,17 @@ def run(
                 log.metrics.update(metrics)
             if cfg.checkpoint_every and rnd % cfg.checkpoint_every == 0:
                 checkpoint = writer.checkpoint(rnd, params)
-        else:
+        elif total is not None:
             assert query is not None
             bound = gaussian_bound(noise_std=log.release_noise_std, queries=cfg.rounds, beta=cfg.accuracy_beta)
             answer = Answer(rnd, query, float(total[0]), bound)
             answers.append(answer)
             log.query, log.answer, log.bound = asdict(query), answer.value, bound
+        else:
+            log.query = asdict(query) if query is not None else None  # asked, not answered: nothing released
         verdict = None
         if monitor is not None:
-            verdict = _monitor_round(transport, cfg, nodes, rnd, monitor, errors)
+            verdict = _monitor_round(transport, cfg, nodes, rnd, monitor, errors, enrolment.secagg)
             log.monitor = {
                 "kind": cfg.monitor,
                 "below": verdict.below,
@@ -499,7 +652,12 @@ def _common(cfg: CoordinatorConfig, purpose: str, rnd: int, node: int) -> dict[s
 
 
 def _request(
-    cfg: CoordinatorConfig, rnd: int, node: int, params: np.ndarray, query: Query | None
+    cfg: CoordinatorConfig,
+    rnd: int,
+    node: int,
+    params: np.ndarray,
+    query: Query | None,
+    secagg: wire.SecaggInput | None = None,
 ) -> wire.GradientRequest | wire.IndicatorRequest:
     """The round's request: the model for a gradient round, or the analyst's counting query."""
     if cfg.task == "gradient":
@@ -508,13 +666,20 @@ def _request(
             model=cfg.model,
             model_args=cfg.canonical_model_args,
             parameters=params,
+            secagg=secagg,
         )
     assert query is not None
-    return _indicator_request(cfg, "indicator", rnd, node, query)
+    return _indicator_request(cfg, "indicator", rnd, node, query, secagg=secagg)
 
 
 def _indicator_request(
-    cfg: CoordinatorConfig, purpose: str, rnd: int, node: int, query: Query, params: np.ndarray | None = None
+    cfg: CoordinatorConfig,
+    purpose: str,
+    rnd: int,
+    node: int,
+    query: Query,
+    params: np.ndarray | None = None,
+    secagg: wire.SecaggInput | None = None,
 ) -> wire.IndicatorRequest:
     """A counting query; the 'correct' predicate also carries the model it evaluates."""
     model: dict[str, Any] = {}
@@ -526,4 +691,5 @@ def _indicator_request(
         column=query.column,
         value=float(query.value),
         **model,
+        secagg=secagg,
     )

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from protocol import secagg as sa
+
 CONFIG = "config"
 ARRAYS = "arrays"
 
@@ -32,9 +34,17 @@ GRADIENT = "train.gradient"
 INDICATOR = "query.indicator"
 MONITOR = "query.monitor"
 STATUS = "query.status"
-MESSAGE_TYPES: tuple[str, ...] = (GRADIENT, INDICATOR, MONITOR, STATUS)
+# Secure aggregation (``secagg`` trust, protocol/secagg.py): the session's steps 1, 2 and 4; step 3, the
+# masked input, is a GRADIENT, INDICATOR or MONITOR request with trust 'secagg' and a SecaggInput.
+SECAGG_KEYS = "query.secagg_keys"
+SECAGG_SHARES = "query.secagg_shares"
+SECAGG_UNMASK = "query.secagg_unmask"
+SECAGG_STEPS: tuple[str, ...] = (SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNMASK)
+MESSAGE_TYPES: tuple[str, ...] = (GRADIENT, INDICATOR, MONITOR, STATUS, *SECAGG_STEPS)
 
-TRUST_MODES: tuple[str, ...] = ("local", "central")
+# local: each client adds N(0, sigma^2); central: the trusted coordinator adds it once; secagg: each
+# client adds N(0, sigma^2 / m) and masks its input, the coordinator learns only the sum of >= m inputs.
+TRUST_MODES: tuple[str, ...] = ("local", "central", "secagg")
 UNITS: tuple[str, ...] = ("client", "record")
 
 # Predicates an indicator query may name, evaluated on the client's records:
@@ -154,6 +164,22 @@ WIRE_MAX_VALUES = 1 << 28
 
 
 @dataclass(frozen=True, eq=False)
+class SecaggInput:
+    """What a masked-input request (secure aggregation step 3) adds: the session, fixed point and U2.
+
+    ``peers`` lists the roster indices of U2 (the clients whose shares were delivered), and
+    ``ciphertexts`` row i the shares peer ``peers[i]`` sealed for this client. Each client's
+    encoded value must lie within [-value_bound, value_bound] at scale 2^scale_bits.
+    """
+
+    session: str
+    scale_bits: int
+    value_bound: int
+    peers: NDArray[np.int64] = field(repr=False)
+    ciphertexts: NDArray[np.uint8] = field(repr=False)
+
+
+@dataclass(frozen=True, eq=False)
 class RequestBase:
     """Fields every request carries: its id (idempotency key), the run id and the round."""
 
@@ -177,6 +203,7 @@ class GradientRequest(RequestBase):
     model: str
     model_args: str  # canonical JSON of the model's constructor arguments
     parameters: NDArray[np.float32] = field(repr=False)
+    secagg: SecaggInput | None = field(default=None, repr=False)  # trust 'secagg' only
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,6 +224,7 @@ class IndicatorRequest(RequestBase):
     model: str | None = None  # predicate 'correct' only
     model_args: str | None = None
     parameters: NDArray[np.float32] | None = field(default=None, repr=False)
+    secagg: SecaggInput | None = field(default=None, repr=False)  # trust 'secagg' only
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,6 +232,38 @@ class MonitorRequest(RequestBase):
     """The active-set monitor's per-round report (privacy.md §7); its cost is reserved at enrolment."""
 
     trust: str
+    secagg: SecaggInput | None = field(default=None, repr=False)  # trust 'secagg' only
+
+
+@dataclass(frozen=True, eq=False)
+class SecaggKeysRequest(RequestBase):
+    """Secure aggregation step 1: open a session with fresh keys; this request's id names the session.
+
+    Privacy: the reply holds two public keys and a commitment to the self-mask seed, drawn
+    before and independently of any data.
+    """
+
+    trust: str
+
+
+@dataclass(frozen=True, eq=False)
+class SecaggSharesRequest(RequestBase):
+    """Secure aggregation step 2: the roster U1 (public keys by index) and the threshold m; reply: sealed shares."""
+
+    trust: str
+    session: str
+    min_clients: int
+    encryption_keys: NDArray[np.uint8] = field(repr=False)
+    masking_keys: NDArray[np.uint8] = field(repr=False)
+
+
+@dataclass(frozen=True, eq=False)
+class SecaggUnmaskRequest(RequestBase):
+    """Secure aggregation step 4: U3, the clients whose masked inputs arrived; reply: one share per peer of U2."""
+
+    trust: str
+    session: str
+    survivors: NDArray[np.int64] = field(repr=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -211,13 +271,25 @@ class StatusRequest(RequestBase):
     """What the client accepts: its filter, target, unit, trust and policy (public configuration, no spend)."""
 
 
-Request = GradientRequest | IndicatorRequest | MonitorRequest | StatusRequest
+Request = (
+    GradientRequest
+    | IndicatorRequest
+    | MonitorRequest
+    | StatusRequest
+    | SecaggKeysRequest
+    | SecaggSharesRequest
+    | SecaggUnmaskRequest
+)
+SecaggStepRequest = SecaggKeysRequest | SecaggSharesRequest | SecaggUnmaskRequest
 
 _BASE_KEYS = {"request_id", "run_id", "round"}
 _GRADIENT_KEYS = _BASE_KEYS | {"noise_std", "l2_clip", "trust", "unit", "model", "model_args"}
 _INDICATOR_KEYS = _BASE_KEYS | {"noise_std", "l2_clip", "trust", "unit", "predicate", "column", "value"}
 _MODEL_KEYS = {"model", "model_args"}
 _MONITOR_KEYS = _BASE_KEYS | {"trust"}
+_SECAGG_INPUT_KEYS = {"secagg_session", "secagg_scale_bits", "secagg_value_bound"}
+_SECAGG_INPUT_ARRAYS = {"secagg_peers", "secagg_ciphertexts"}
+_SECAGG_TRUST = ("secagg",)
 
 
 def _base(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
@@ -233,8 +305,13 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
     if message_type not in MESSAGE_TYPES:
         raise ProtocolError(f"message type: expected one of {MESSAGE_TYPES}, got {message_type!r}")
     kind = message_type
+    if message_type in SECAGG_STEPS:
+        return _decode_secagg_step(message_type, config, arrays)
+    secagg = config.get("trust") == "secagg" and message_type in (GRADIENT, INDICATOR, MONITOR)
+    extra_keys, extra_arrays = (_SECAGG_INPUT_KEYS, _SECAGG_INPUT_ARRAYS) if secagg else (set(), set())
+    masked: dict[str, Any] = {"secagg": _secagg_input(config, arrays, kind)} if secagg else {}
     if message_type == GRADIENT:
-        _no_extra(config, arrays, kind, _GRADIENT_KEYS, {"parameters"})
+        _no_extra(config, arrays, kind, _GRADIENT_KEYS | extra_keys, {"parameters"} | extra_arrays)
         return GradientRequest(
             **_base(config, kind),
             noise_std=_positive(config, "noise_std", kind),
@@ -244,17 +321,18 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
             model=_str(config, "model", kind),
             model_args=_model_args(config, kind),
             parameters=_flat_finite(arrays, "parameters", kind, max_size=WIRE_MAX_VALUES),
+            **masked,
         )
     if message_type == INDICATOR:
         if config.get("predicate") == "correct":
-            _no_extra(config, arrays, kind, _INDICATOR_KEYS | _MODEL_KEYS, {"parameters"})
+            _no_extra(config, arrays, kind, _INDICATOR_KEYS | _MODEL_KEYS | extra_keys, {"parameters"} | extra_arrays)
             model: dict[str, Any] = {
                 "model": _str(config, "model", kind),
                 "model_args": _model_args(config, kind),
                 "parameters": _flat_finite(arrays, "parameters", kind, max_size=WIRE_MAX_VALUES),
             }
         else:
-            _no_extra(config, arrays, kind, _INDICATOR_KEYS, set())
+            _no_extra(config, arrays, kind, _INDICATOR_KEYS | extra_keys, extra_arrays)
             model = {}
         return IndicatorRequest(
             **_base(config, kind),
@@ -266,12 +344,80 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
             column=_int(config, "column", kind, minimum=0),
             value=_real(config, "value", kind),
             **model,
+            **masked,
         )
     if message_type == MONITOR:
-        _no_extra(config, arrays, kind, _MONITOR_KEYS, set())
-        return MonitorRequest(**_base(config, kind), trust=_str(config, "trust", kind, choices=TRUST_MODES))
+        _no_extra(config, arrays, kind, _MONITOR_KEYS | extra_keys, extra_arrays)
+        return MonitorRequest(**_base(config, kind), trust=_str(config, "trust", kind, choices=TRUST_MODES), **masked)
     _no_extra(config, arrays, kind, _BASE_KEYS, set())
     return StatusRequest(**_base(config, kind))
+
+
+def _uint8_table(arrays: Mapping[str, Any], key: str, kind: str, *, rows: int | None, width: int) -> NDArray[np.uint8]:
+    """A uint8[rows, width] array (any number of rows when ``rows`` is None, up to the session limit)."""
+    if key not in arrays:
+        raise ProtocolError(f"{kind}: missing array {key!r}")
+    arr = arrays[key]
+    ok = isinstance(arr, np.ndarray) and arr.dtype == np.uint8 and arr.ndim == 2 and arr.shape[1] == width
+    if not ok or (rows is not None and arr.shape[0] != rows) or arr.shape[0] > sa.MAX_CLIENTS:
+        found = f"{arr.dtype}{arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        want = f"uint8[{rows if rows is not None else 'n'}, {width}]"
+        raise ProtocolError(f"{kind}: array {key!r} must be {want}, got {found}")
+    out: NDArray[np.uint8] = arr
+    return out
+
+
+def _index_list(arrays: Mapping[str, Any], key: str, kind: str) -> NDArray[np.int64]:
+    """A 1-d int64 array of roster indices, at most the session limit long."""
+    if key not in arrays:
+        raise ProtocolError(f"{kind}: missing array {key!r}")
+    arr = arrays[key]
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.int64 or arr.ndim != 1 or arr.size > sa.MAX_CLIENTS:
+        found = f"{arr.dtype}{arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        raise ProtocolError(f"{kind}: array {key!r} must be a 1-d int64 list of roster indices, got {found}")
+    return arr
+
+
+def _secagg_input(config: Mapping[str, Any], arrays: Mapping[str, Any], kind: str) -> SecaggInput:
+    scale_bits = _int(config, "secagg_scale_bits", kind, minimum=0)
+    if scale_bits > sa.MAX_SCALE_BITS:
+        raise ProtocolError(f"{kind}: 'secagg_scale_bits' must be <= {sa.MAX_SCALE_BITS}, got {scale_bits}")
+    bound = _int(config, "secagg_value_bound", kind, minimum=1)
+    if bound > sa.SUM_LIMIT:
+        raise ProtocolError(f"{kind}: 'secagg_value_bound' must be <= 2^63 - 1, got {bound}")
+    peers = _index_list(arrays, "secagg_peers", kind)
+    return SecaggInput(
+        session=_str(config, "secagg_session", kind),
+        scale_bits=scale_bits,
+        value_bound=bound,
+        peers=peers,
+        ciphertexts=_uint8_table(arrays, "secagg_ciphertexts", kind, rows=peers.size, width=sa.CIPHERTEXT_BYTES),
+    )
+
+
+def _decode_secagg_step(message_type: str, config: Mapping[str, Any], arrays: Mapping[str, Any]) -> Request:
+    kind = message_type
+    if message_type == SECAGG_KEYS:
+        _no_extra(config, arrays, kind, _BASE_KEYS | {"trust"}, set())
+        return SecaggKeysRequest(**_base(config, kind), trust=_str(config, "trust", kind, choices=_SECAGG_TRUST))
+    common: dict[str, Any] = {
+        "trust": _str(config, "trust", kind, choices=_SECAGG_TRUST),
+        "session": _str(config, "session", kind),
+    }
+    if message_type == SECAGG_SHARES:
+        _no_extra(
+            config, arrays, kind, _BASE_KEYS | {"trust", "session", "min_clients"}, {"encryption_keys", "masking_keys"}
+        )
+        enc = _uint8_table(arrays, "encryption_keys", kind, rows=None, width=sa.KEY_BYTES)
+        return SecaggSharesRequest(
+            **_base(config, kind),
+            **common,
+            min_clients=_int(config, "min_clients", kind, minimum=sa.MIN_CLIENTS),
+            encryption_keys=enc,
+            masking_keys=_uint8_table(arrays, "masking_keys", kind, rows=enc.shape[0], width=sa.KEY_BYTES),
+        )
+    _no_extra(config, arrays, kind, _BASE_KEYS | {"trust", "session"}, {"survivors"})
+    return SecaggUnmaskRequest(**_base(config, kind), **common, survivors=_index_list(arrays, "survivors", kind))
 
 
 def _model_args(config: Mapping[str, Any], kind: str) -> str:
@@ -293,6 +439,9 @@ def message_type_of(request: Request) -> str:
         IndicatorRequest: INDICATOR,
         MonitorRequest: MONITOR,
         StatusRequest: STATUS,
+        SecaggKeysRequest: SECAGG_KEYS,
+        SecaggSharesRequest: SECAGG_SHARES,
+        SecaggUnmaskRequest: SECAGG_UNMASK,
     }
     return table[type(request)]
 
@@ -305,7 +454,12 @@ def encode_request(request: Request) -> tuple[dict[str, Any], dict[str, NDArray[
         value = getattr(request, f.name)
         if value is None:
             continue
-        if isinstance(value, np.ndarray):
+        if isinstance(value, SecaggInput):
+            config.update(
+                secagg_session=value.session, secagg_scale_bits=value.scale_bits, secagg_value_bound=value.value_bound
+            )
+            arrays.update(secagg_peers=value.peers, secagg_ciphertexts=value.ciphertexts)
+        elif isinstance(value, np.ndarray):
             arrays[f.name] = value
         else:
             config[f.name] = value
@@ -409,3 +563,134 @@ class StatusReply:
     def parsed(self) -> dict[str, Any]:
         out: dict[str, Any] = json.loads(self.description)
         return out
+
+
+# --- secure aggregation replies -----------------------------------------------------------------
+
+
+def _key_bytes(arrays: Mapping[str, Any], key: str, kind: str) -> NDArray[np.uint8]:
+    arr = arrays.get(key)
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.shape != (sa.KEY_BYTES,):
+        found = f"{arr.dtype}{arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        raise ProtocolError(f"{kind}: array {key!r} must be uint8[{sa.KEY_BYTES}], got {found}")
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class SecaggKeysReply:
+    """Step 1's answer: the session's two public keys and the commitment SHA-256(b_u) to the self-mask seed."""
+
+    request_id: str
+    session: str
+    encryption_key: NDArray[np.uint8] = field(repr=False)
+    masking_key: NDArray[np.uint8] = field(repr=False)
+    seed_commitment: NDArray[np.uint8] = field(repr=False)
+
+    def encode(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        return (
+            {"request_id": self.request_id, "session": self.session},
+            {
+                "encryption_key": self.encryption_key,
+                "masking_key": self.masking_key,
+                "seed_commitment": self.seed_commitment,
+            },
+        )
+
+    @classmethod
+    def decode(cls, config: Mapping[str, Any], arrays: Mapping[str, Any]) -> SecaggKeysReply:
+        kind = "secagg keys reply"
+        names = {"encryption_key", "masking_key", "seed_commitment"}
+        _no_extra(config, arrays, kind, {"request_id", "session"}, names)
+        return cls(
+            request_id=_str(config, "request_id", kind),
+            session=_str(config, "session", kind),
+            **{name: _key_bytes(arrays, name, kind) for name in sorted(names)},
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class SecaggSharesReply:
+    """Step 2's answer: row v holds this client's shares for roster index v, sealed for v."""
+
+    request_id: str
+    session: str
+    ciphertexts: NDArray[np.uint8] = field(repr=False)
+
+    def encode(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        return {"request_id": self.request_id, "session": self.session}, {"ciphertexts": self.ciphertexts}
+
+    @classmethod
+    def decode(cls, config: Mapping[str, Any], arrays: Mapping[str, Any], *, roster_size: int) -> SecaggSharesReply:
+        kind = "secagg shares reply"
+        _no_extra(config, arrays, kind, {"request_id", "session"}, {"ciphertexts"})
+        return cls(
+            request_id=_str(config, "request_id", kind),
+            session=_str(config, "session", kind),
+            ciphertexts=_uint8_table(arrays, "ciphertexts", kind, rows=roster_size, width=sa.CIPHERTEXT_BYTES),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class MaskedInputReply:
+    """Step 3's answer: the client's encoded contribution plus its noise share, masked (uint64, mod 2^64).
+
+    Privacy: uniformly distributed whatever the client's data, as long as the self mask is
+    unknown; the client charged its units before it left (privacy.md §9).
+    """
+
+    request_id: str
+    session: str
+    masked: NDArray[np.uint64] = field(repr=False)
+
+    def encode(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        return {"request_id": self.request_id, "session": self.session}, {"masked": self.masked}
+
+    @classmethod
+    def decode(cls, config: Mapping[str, Any], arrays: Mapping[str, Any], *, size: int) -> MaskedInputReply:
+        kind = "masked input reply"
+        _no_extra(config, arrays, kind, {"request_id", "session"}, {"masked"})
+        masked = arrays.get("masked")
+        if not isinstance(masked, np.ndarray) or masked.dtype != np.uint64 or masked.shape != (size,):
+            found = f"{masked.dtype}{masked.shape}" if isinstance(masked, np.ndarray) else type(masked).__name__
+            raise ProtocolError(f"{kind}: array 'masked' must be uint64[{size}], got {found}")
+        return cls(request_id=_str(config, "request_id", kind), session=_str(config, "session", kind), masked=masked)
+
+
+@dataclass(frozen=True, eq=False)
+class SecaggUnmaskReply:
+    """Step 4's answer: shares of the survivors' self-mask seeds and of the dropped clients' masking keys."""
+
+    request_id: str
+    session: str
+    revealed: sa.Revealed = field(repr=False)
+
+    def encode(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        r = self.revealed
+        return (
+            {"request_id": self.request_id, "session": self.session},
+            {
+                "seed_peers": r.seed_peers,
+                "seed_shares": r.seed_shares,
+                "key_peers": r.key_peers,
+                "key_shares": r.key_shares,
+            },
+        )
+
+    @classmethod
+    def decode(cls, config: Mapping[str, Any], arrays: Mapping[str, Any]) -> SecaggUnmaskReply:
+        kind = "secagg unmask reply"
+        _no_extra(
+            config, arrays, kind, {"request_id", "session"}, {"seed_peers", "seed_shares", "key_peers", "key_shares"}
+        )
+        seed_peers = _index_list(arrays, "seed_peers", kind)
+        key_peers = _index_list(arrays, "key_peers", kind)
+        return cls(
+            request_id=_str(config, "request_id", kind),
+            session=_str(config, "session", kind),
+            revealed=sa.Revealed(
+                seed_peers,
+                _uint8_table(arrays, "seed_shares", kind, rows=seed_peers.size, width=sa.SHARE_BYTES),
+                key_peers,
+                _uint8_table(arrays, "key_shares", kind, rows=key_peers.size, width=sa.SHARE_BYTES),
+            ),
+        )

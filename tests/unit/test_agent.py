@@ -128,7 +128,7 @@ HOSTILE = [
         "unknown trust",
         lambda c, a: (c | {"trust": "none"}, a),
         wire.ERR_MALFORMED,
-        r"'trust' must be one of \('local', 'central'\), got 'none'",
+        r"'trust' must be one of \('local', 'central', 'secagg'\), got 'none'",
     ),
     ("unknown model", lambda c, a: (c | {"model": "os.system"}, a), wire.ERR_MALFORMED, r"model 'os.system'"),
     (

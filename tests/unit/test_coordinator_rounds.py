@@ -136,6 +136,7 @@ def test_local_trust_logs_hold_no_node_ids_or_per_client_values(tmp_path: Path) 
         "release_noise_std",
         "duration_s",
         "monitor",
+        "secagg",
         "metrics",
         "query",
         "answer",

@@ -1,0 +1,298 @@
+"""The client's side of a secure-aggregation session (``secagg`` trust), over the ledger it already has.
+
+Each step of a session (protocol/secagg.py) is one request, answered like any other: its
+answer is committed to the ledger before it leaves, and a repeat gets the stored answer.
+The per-session secret state lives in those ledger records (the ledger is the client's own
+file, already holding everything the client has released):
+
+| step                  | ledger id            | release record holds                                  |
+|-----------------------|----------------------|-------------------------------------------------------|
+| 1 ``secagg_keys``     | the session id       | the two X25519 secrets and the self-mask seed b_u     |
+| 2 ``secagg_shares``   | ``<session>|shares`` | the roster (public keys), this client's index, m      |
+| 3 masked input        | ``<session>|masked`` | the charge (as any release) and the peers' shares     |
+| 4 ``secagg_unmask``   | ``<session>|unmask`` | the survivors U3 it answered for                      |
+
+Steps 2-4 are keyed by the session, not by the coordinator's request id, so each happens
+at most once per session, whatever the ids and across crashes and restarts (the ledger's
+primary key enforces it; a second request for a step with other content is a replay error):
+
+- one masked input per session: two masked inputs under the same masks would reveal the
+  difference of the two inputs;
+- one unmask answer per session: for each peer the client reveals the share of its self-mask
+  seed (peer survived) or of its masking key (peer dropped), never both, so a coordinator
+  cannot obtain both for one peer by asking again with another survivor set;
+- step 4 needs step 3: only a client that sent its masked input helps unmask.
+
+Charge before release (privacy.md §9): the masked input's charge is in the same commit as
+the stored reply, as for every release.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from client_agent.ledger import Ledger, StoredRequest
+from protocol import messages as wire
+from protocol import secagg as sa
+
+KEYS_KIND = "secagg-keys"
+SHARES_KIND = "secagg-shares"
+UNMASK_KIND = "secagg-unmask"
+
+
+class SessionError(sa.SecaggError):
+    """A step that does not follow the session's earlier steps (unknown session, wrong order, other run)."""
+
+
+def ledger_id(request: wire.Request) -> str:
+    """Where the answer to ``request`` is stored: the session's step for secure aggregation, else its id."""
+    if isinstance(request, wire.SecaggSharesRequest):
+        return f"{request.session}|shares"
+    if isinstance(request, wire.SecaggUnmaskRequest):
+        return f"{request.session}|unmask"
+    secagg = getattr(request, "secagg", None)
+    if isinstance(secagg, wire.SecaggInput):
+        return f"{secagg.session}|masked"
+    return request.request_id
+
+
+def replay_reason(request: wire.Request) -> str:
+    """Why a request whose step this session already answered with other content is refused."""
+    if isinstance(request, wire.SecaggSharesRequest):
+        return f"secagg session {request.session!r} already shared its keys for another roster; one roster per session"
+    if isinstance(request, wire.SecaggUnmaskRequest):
+        return (
+            f"secagg session {request.session!r} already answered the unmask step for another survivor set; "
+            "revealing again could give both shares of one peer"
+        )
+    secagg = getattr(request, "secagg", None)
+    if isinstance(secagg, wire.SecaggInput):
+        return (
+            f"secagg session {secagg.session!r} already sent its masked input for another request; "
+            "two masked inputs under the same masks reveal their difference"
+        )
+    return f"request id {request.request_id!r} was answered before with other content; a new request needs a new id"
+
+
+def _u8(raw: bytes) -> NDArray[np.uint8]:
+    return np.frombuffer(raw, dtype=np.uint8).copy()
+
+
+def _step(
+    ledger: Ledger, key: str, message_types: tuple[str, ...], request: wire.RequestBase, what: str
+) -> StoredRequest:
+    stored = ledger.lookup(key)
+    if stored is None or stored.message_type not in message_types:
+        raise SessionError(f"secagg session {key.split('|')[0]!r}: {what} was not answered by this client")
+    if stored.run_id != request.run_id or int(stored.release["round"][0]) != request.round:
+        raise SessionError(
+            f"secagg session {key.split('|')[0]!r}: expected run {stored.run_id!r} round "
+            f"{int(stored.release['round'][0])}, got run {request.run_id!r} round {request.round}"
+        )
+    return stored
+
+
+def _secrets(stored: StoredRequest) -> sa.ClientSecrets:
+    rel = stored.release
+    return sa.ClientSecrets(
+        rel["encryption_secret"].tobytes(), rel["masking_secret"].tobytes(), rel["self_seed"].tobytes()
+    )
+
+
+@dataclass(frozen=True)
+class Session:
+    """A session after step 2: this client's secrets, the roster and its own index in it."""
+
+    secrets: sa.ClientSecrets
+    roster: sa.Roster
+    own: int
+
+
+def load_session(ledger: Ledger, request: wire.RequestBase, session: str) -> Session:
+    """Steps 1 and 2 of ``session`` as this client answered them (a SessionError when either is missing)."""
+    keys = _step(ledger, session, (wire.SECAGG_KEYS,), request, "step 1 (keys)")
+    shares = _step(ledger, f"{session}|shares", (wire.SECAGG_SHARES,), request, "step 2 (shares)")
+    rel = shares.release
+    roster = sa.Roster(
+        request.run_id, request.round, int(rel["min_clients"][0]), rel["encryption_keys"], rel["masking_keys"]
+    )
+    return Session(_secrets(keys), roster, int(rel["own"][0]))
+
+
+# --- steps 1, 2 and 4 -----------------------------------------------------------------------------
+
+
+Answer = tuple[dict[str, Any], dict[str, NDArray[Any]], dict[str, NDArray[Any]]]  # reply config, arrays, release
+
+
+def advertise(request: wire.SecaggKeysRequest) -> Answer:
+    """Step 1: fresh secrets for this session; the reply is public keys and the seed commitment only."""
+    secrets = sa.ClientSecrets.fresh()
+    reply = wire.SecaggKeysReply(
+        request.request_id,
+        request.request_id,
+        _u8(secrets.encryption_key),
+        _u8(secrets.masking_key),
+        _u8(secrets.commitment),
+    )
+    release = {
+        "kind": np.array(KEYS_KIND),
+        "round": np.array([request.round]),
+        "encryption_secret": _u8(secrets.encryption_secret),
+        "masking_secret": _u8(secrets.masking_secret),
+        "self_seed": _u8(secrets.self_seed),
+    }
+    return (*reply.encode(), release)
+
+
+def share_keys(ledger: Ledger, request: wire.SecaggSharesRequest) -> Answer:
+    """Step 2: check the roster (this client listed once, keys distinct, 2 <= m <= n) and seal its shares."""
+    keys = _step(ledger, request.session, (wire.SECAGG_KEYS,), request, "step 1 (keys)")
+    secrets = _secrets(keys)
+    roster = sa.Roster(
+        request.run_id, request.round, request.min_clients, request.encryption_keys, request.masking_keys
+    )
+    own = roster.index_of(secrets.encryption_key, secrets.masking_key)
+    reply = wire.SecaggSharesReply(request.request_id, request.session, sa.share_ciphertexts(secrets, roster, own))
+    release = {
+        "kind": np.array(SHARES_KIND),
+        "round": np.array([request.round]),
+        "own": np.array([own]),
+        "min_clients": np.array([request.min_clients]),
+        "encryption_keys": np.array(request.encryption_keys),
+        "masking_keys": np.array(request.masking_keys),
+    }
+    return (*reply.encode(), release)
+
+
+def unmask(ledger: Ledger, request: wire.SecaggUnmaskRequest) -> Answer:
+    """Step 4: for each peer of U2, the seed share if it is in U3, else the key share (never both)."""
+    session = load_session(ledger, request, request.session)
+    masked = _step(ledger, f"{request.session}|masked", wire.MESSAGE_TYPES, request, "step 3 (masked input)")
+    peers = masked.release["secagg_peers"]
+    survivors = session.roster.check_peers(request.survivors, name="survivors (U3)", own=session.own)
+    outside = sorted(set(survivors.tolist()) - set(peers.tolist()))
+    if outside:
+        raise sa.SecaggError(f"survivors (U3): expected clients among U2 {peers.tolist()}, found {outside}")
+    opened = [
+        sa.OpenedShare(
+            int(src),
+            sa.share_from_bytes(seed.tobytes(), what="stored seed share"),
+            sa.share_from_bytes(key.tobytes(), what="stored key share"),
+        )
+        for src, seed, key in zip(
+            peers, masked.release["secagg_seed_shares"], masked.release["secagg_key_shares"], strict=True
+        )
+    ]
+    reply = wire.SecaggUnmaskReply(request.request_id, request.session, sa.reveal(opened, survivors))
+    release = {"kind": np.array(UNMASK_KIND), "round": np.array([request.round]), "survivors": survivors}
+    return (*reply.encode(), release)
+
+
+# --- step 3 ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MaskedContext:
+    """Everything step 3 needs before touching data: the session, U2, the opened shares and the ranges."""
+
+    session: Session
+    request_id: str
+    name: str
+    scale_bits: int
+    value_bound: int
+    peers: NDArray[np.int64]
+    opened: list[sa.OpenedShare]
+    noise_std: float  # this client's share: sigma / sqrt(m)
+    data_bound: int
+
+    def release_fields(self) -> dict[str, NDArray[Any]]:
+        """The peers' shares for step 4, stored with the charge of step 3."""
+
+        def table(values: list[int]) -> NDArray[np.uint8]:
+            raw = b"".join(sa.share_to_bytes(v) for v in values)
+            return np.frombuffer(raw, dtype=np.uint8).reshape(len(values), sa.SHARE_BYTES).copy()
+
+        return {
+            "round": np.array([self.session.roster.round]),
+            "secagg_peers": self.peers,
+            "secagg_seed_shares": table([o.seed_share for o in self.opened]),
+            "secagg_key_shares": table([o.key_share for o in self.opened]),
+            "secagg_noise_share_std": np.array([self.noise_std]),
+        }
+
+
+def prepare_masked(
+    ledger: Ledger,
+    request: wire.RequestBase,
+    secagg: wire.SecaggInput,
+    *,
+    noise_std: float,
+    n_units: int,
+    l2_clip: float,
+) -> MaskedContext:
+    """Check step 3's session, U2, shares and fixed-point range before any data is read.
+
+    Every check here depends on public values only (the client's number of units is public,
+    it is in its status reply): a range too small for this client's worst case is refused
+    before anything is computed, so no overflow error can ever depend on the data.
+    """
+    session = load_session(ledger, request, secagg.session)
+    roster = session.roster
+    peers = roster.check_peers(secagg.peers, name="U2 (clients that shared keys)", own=session.own)
+    sa.check_value_bound(secagg.value_bound, roster.size)
+    opened = sa.open_ciphertexts(session.secrets, roster, session.own, peers, secagg.ciphertexts)
+    share_std = sa.noise_share_std(noise_std, roster.threshold)
+    bound = sa.data_bound(n_units=n_units, l2_clip=l2_clip, scale_bits=secagg.scale_bits)
+    need = bound + sa.noise_bound(noise_std=share_std, scale_bits=secagg.scale_bits)
+    if need > secagg.value_bound:
+        raise sa.SecaggError(
+            f"fixed point: this client's worst case needs values up to {need} at scale 2^{secagg.scale_bits} "
+            f"({n_units} units at clip {l2_clip} plus 40 noise stds); the session allows {secagg.value_bound} "
+            "(lower the scale bits or the number of clients)"
+        )
+    if share_std * 2.0**secagg.scale_bits < sa.MIN_GRID_NOISE_STD:
+        raise sa.SecaggError(
+            f"fixed point: the noise share's std {share_std!r} is under {sa.MIN_GRID_NOISE_STD} grid steps at scale "
+            f"2^{secagg.scale_bits}; raise the scale bits"
+        )
+    return MaskedContext(
+        session,
+        request.request_id,
+        secagg.session,
+        secagg.scale_bits,
+        secagg.value_bound,
+        peers,
+        opened,
+        share_std,
+        bound,
+    )
+
+
+class DataRangeInvariantError(RuntimeError):
+    """The clipped data left the range its clip guarantees: a bug; reported with fixed text, nothing released."""
+
+
+def masked_reply(ctx: MaskedContext, data_sum: NDArray[np.floating], rng: np.random.Generator) -> wire.MaskedInputReply:
+    """Step 3: encode the clipped sum, add the noise share N(0, sigma^2 / m) on the grid, mask it.
+
+    Privacy of the range check (the rule of commit 877f693: an error whose occurrence depends on
+    private data must not leak). The data part cannot overflow: every unit's clipped norm is at
+    most C, so each coordinate of the sum is at most n_units C, and :func:`sa.data_bound` adds a
+    relative 1e-6 and 2 grid steps for float summation and rounding, which
+    :func:`prepare_masked` checked against the session's range from public values only. If it
+    fired anyway it would be a bug: it is raised as an internal error whose text is fixed
+    (no value, no coordinate), before anything is committed or sent. The noise part's check
+    depends on the noise alone (probability < 1e-340), so its error says nothing about data.
+    """
+    try:
+        data = sa.encode_fixed_point(data_sum, scale_bits=ctx.scale_bits, bound=ctx.data_bound)
+    except sa.FixedPointOverflow:
+        raise DataRangeInvariantError("secagg: the clipped sum left its guaranteed range") from None
+    noise = sa.rounded_gaussian(rng, noise_std=ctx.noise_std, scale_bits=ctx.scale_bits, size=data.size)
+    masked = sa.masked_input(data + noise, ctx.session.secrets, ctx.session.roster, ctx.session.own, ctx.peers)
+    return wire.MaskedInputReply(ctx.request_id, ctx.name, masked)

@@ -1,0 +1,233 @@
+"""The coordinator's side of a secure-aggregation session (``secagg`` trust): four exchanges, one sum.
+
+One release in secagg trust is one session of protocol/secagg.py over the ordinary
+:class:`coordinator.transport.Transport` (one request per node per exchange, replies by
+node), so the in-process transport and Flower's grid both carry it:
+
+1. ``query.secagg_keys`` to every node: public keys and seed commitments; U1 (roster order: node id).
+2. ``query.secagg_shares`` to U1 with the roster and m: each answers sealed shares, one per roster index; U2.
+3. the round's request (gradient, indicator or monitor) with trust 'secagg' to U2, each carrying
+   the shares addressed to it: each answers its masked input; U3.
+4. ``query.secagg_unmask`` to U3 with U3: each answers one share per peer of U2; U4.
+
+The coordinator reconstructs the self-mask seeds of U3 and the masking keys of U2 \\ U3 and
+learns sum_{U3} (x_u + noise share) and nothing else. Any step with fewer than m clients,
+or shares that do not reconstruct to the committed seeds and advertised keys, ends the
+session with nothing released (:attr:`SecaggRound.total` is None). The clients have then
+charged their filters already if they sent masked inputs: an over-count, never an under-count.
+
+Privacy: the sum carries noise of variance |U3| sigma^2 / m >= sigma^2, the noise every
+client's charge assumed, provided that at least m of the summed clients are honest (their
+noise shares are unknown to the coordinator) and that the coordinator follows the protocol
+(honest-but-curious, Bonawitz et al. 2017 Thm 6.2 setting).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from coordinator.transport import RoundReplies, Transport
+from protocol import messages as wire
+from protocol import secagg as sa
+from protocol.records import Payload
+
+BuildRequest = Callable[[int, wire.SecaggInput], wire.Request]
+
+
+@dataclass(frozen=True)
+class SecaggSettings:
+    """A run's secure-aggregation parameters, fixed at enrolment (public)."""
+
+    min_clients: int  # m: the Shamir threshold, the noise divisor, the fewest inputs a sum may hold
+    scale_bits: int  # fixed point: values are encoded as rint(v 2^scale_bits)
+    monitor_noise_std: float = 0.0  # tree monitor: the smallest node noise std the clients reserved
+    monitor_levels: int = 0  # tree monitor: the levels every client reports (the same for all)
+
+
+def default_min_clients(clients: int) -> int:
+    """m = max(2, ceil(2 n / 3)): a third of the clients may drop out of a session (SecAgg+'s usual choice)."""
+    return max(sa.MIN_CLIENTS, math.ceil(2 * clients / 3))
+
+
+@dataclass
+class SecaggRound:
+    """What one session gave: the masked step's replies, every step's errors, the sum or None."""
+
+    replies: RoundReplies
+    total: np.ndarray | None = None  # the decoded sum of U3's inputs; None: nothing was released
+    noise_var: float = 0.0  # |U3| sigma^2 / m
+    counts: dict[str, Any] = field(default_factory=dict)  # clients left after each step, and why it aborted
+
+
+def _merge(into: RoundReplies, got: RoundReplies, prefix: str) -> None:
+    for name, count in got.errors.items():
+        into.errors[prefix + name] += count
+    for reason, count in got.reasons.items():
+        into.reasons[prefix + reason] += count
+
+
+def secagg_release(
+    transport: Transport,
+    *,
+    run_id: str,
+    rnd: int,
+    purpose: str,
+    nodes: Sequence[int],
+    settings: SecaggSettings,
+    kind: str,
+    build: BuildRequest,
+    size: int,
+    noise_std: float,
+    timeout: float,
+) -> SecaggRound:
+    """One session: ``build(node, secagg_input)`` makes each node's step-3 request; ``size`` values per input."""
+    m = settings.min_clients
+    out = SecaggRound(RoundReplies())
+    errors: Counter[str] = out.replies.errors
+
+    def abort(reason: str) -> SecaggRound:
+        out.counts["aborted"] = reason
+        errors["secagg-aborted"] += 1
+        out.replies.reasons[f"secagg-aborted: {reason[:300]}"] += 1
+        return out
+
+    def rid(step: str, node: int) -> str:
+        return f"{run_id}:{purpose}:{step}:r{rnd}:n{node}"
+
+    # 1. keys
+    requests = {node: wire.SecaggKeysRequest(rid("keys", node), run_id, rnd, "secagg") for node in nodes}
+    got = transport.send(wire.SECAGG_KEYS, {n: wire.encode_request(r) for n, r in requests.items()}, timeout=timeout)
+    _merge(out.replies, got, "secagg-keys-")
+    keys: dict[int, wire.SecaggKeysReply] = {}
+    for node, (config, arrays) in got.replies.items():
+        try:
+            reply = wire.SecaggKeysReply.decode(config, arrays)
+        except wire.ProtocolError as exc:
+            out.replies.error("secagg-keys-malformed-reply", str(exc))
+            continue
+        if reply.session != requests[node].request_id:
+            out.replies.error("secagg-keys-malformed-reply", "a keys reply for another session")
+            continue
+        keys[node] = reply
+    seen = Counter(bytes(r.encryption_key) for r in keys.values()) + Counter(
+        bytes(r.masking_key) for r in keys.values()
+    )
+    for node in [n for n, r in keys.items() if seen[bytes(r.encryption_key)] > 1 or seen[bytes(r.masking_key)] > 1]:
+        out.replies.error("secagg-keys-duplicate", "a public key advertised by more than one client")
+        del keys[node]
+    u1 = sorted(keys)
+    out.counts["advertised"] = len(u1)
+    if len(u1) < m:
+        return abort(f"{len(u1)} clients advertised keys, fewer than m = {m}")
+    enc = np.stack([keys[n].encryption_key for n in u1])
+    mask = np.stack([keys[n].masking_key for n in u1])
+    roster = sa.Roster(run_id, rnd, m, enc, mask)
+
+    # 2. shares
+    payloads: dict[int, Payload] = {
+        node: wire.encode_request(
+            wire.SecaggSharesRequest(rid("shares", node), run_id, rnd, "secagg", keys[node].session, m, enc, mask)
+        )
+        for node in u1
+    }
+    got = transport.send(wire.SECAGG_SHARES, payloads, timeout=timeout)
+    _merge(out.replies, got, "secagg-shares-")
+    sealed: dict[int, np.ndarray] = {}
+    for i, node in enumerate(u1):
+        if node not in got.replies:
+            continue
+        try:
+            shares = wire.SecaggSharesReply.decode(*got.replies[node], roster_size=roster.size)
+        except wire.ProtocolError as exc:
+            out.replies.error("secagg-shares-malformed-reply", str(exc))
+            continue
+        sealed[i] = shares.ciphertexts
+    u2 = np.array(sorted(sealed), dtype=np.int64)
+    out.counts["shared"] = int(u2.size)
+    if u2.size < m:
+        return abort(f"{u2.size} clients shared keys, fewer than m = {m}")
+
+    # 3. masked inputs
+    bound = sa.value_bound_for(roster.size)
+    payloads = {}
+    for i in u2.tolist():
+        node = u1[i]
+        secagg = wire.SecaggInput(
+            session=keys[node].session,
+            scale_bits=settings.scale_bits,
+            value_bound=bound,
+            peers=u2,
+            ciphertexts=np.stack([sealed[v][i] for v in u2.tolist()]),
+        )
+        payloads[node] = wire.encode_request(build(node, secagg))
+    got = transport.send(kind, payloads, timeout=timeout)
+    _merge(out.replies, got, "")
+    out.replies.missing = got.missing
+    masked: dict[int, np.ndarray] = {}
+    for i in u2.tolist():
+        node = u1[i]
+        if node not in got.replies:
+            continue
+        try:
+            masked_reply = wire.MaskedInputReply.decode(*got.replies[node], size=size)
+        except wire.ProtocolError as exc:
+            out.replies.error("malformed-reply", str(exc))
+            continue
+        if masked_reply.session != keys[node].session:
+            out.replies.error("malformed-reply", "a masked input for another session")
+            continue
+        masked[i] = masked_reply.masked
+        out.replies.replies[node] = got.replies[node]
+    u3 = np.array(sorted(masked), dtype=np.int64)
+    out.counts["masked"] = int(u3.size)
+    if u3.size < m:
+        return abort(f"{u3.size} masked inputs arrived, fewer than m = {m}")
+
+    # 4. unmask
+    payloads = {
+        u1[i]: wire.encode_request(
+            wire.SecaggUnmaskRequest(rid("unmask", u1[i]), run_id, rnd, "secagg", keys[u1[i]].session, u3)
+        )
+        for i in u3.tolist()
+    }
+    got = transport.send(wire.SECAGG_UNMASK, payloads, timeout=timeout)
+    _merge(out.replies, got, "secagg-unmask-")
+    dropped = sorted(set(u2.tolist()) - set(u3.tolist()))
+    revealed: dict[int, sa.Revealed] = {}
+    for i in u3.tolist():
+        node = u1[i]
+        if node not in got.replies:
+            continue
+        try:
+            answer = wire.SecaggUnmaskReply.decode(*got.replies[node])
+        except wire.ProtocolError as exc:
+            out.replies.error("secagg-unmask-malformed-reply", str(exc))
+            continue
+        r = answer.revealed
+        if r.seed_peers.tolist() != u3.tolist() or r.key_peers.tolist() != dropped:
+            out.replies.error("secagg-unmask-malformed-reply", "shares for other peers than U3 and U2 \\ U3")
+            continue
+        revealed[i] = r
+    out.counts["unmasked"] = len(revealed)
+    if len(revealed) < m:
+        return abort(f"{len(revealed)} clients answered the unmask step, fewer than m = {m}")
+    try:
+        ring = sa.unmask_sum(
+            roster,
+            shared=u2,
+            masked=masked,
+            revealed=revealed,
+            commitments={i: keys[u1[i]].seed_commitment.tobytes() for i in u3.tolist()},
+            dim=size,
+        )
+    except sa.SecaggError as exc:
+        return abort(str(exc))
+    out.total = sa.decode_fixed_point(ring, scale_bits=settings.scale_bits)
+    out.noise_var = float(u3.size) * noise_std**2 / m
+    return out

@@ -1,0 +1,446 @@
+"""Secagg trust through the real client agents and the coordinator's session (coordinator/secagg.py).
+
+The agents answer each step from their ledgers; a scripted transport drops chosen clients at
+chosen steps. Exactness is checked with the noise share patched to zero (the decoded sum is
+then the plain sum of the clients' clipped contributions); the charge, the replay rules that
+keep SecAgg safe across restarts, and every refusal are checked on the ledgers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client_agent.agent import Agent
+from client_agent.config import parse_agent_config
+from client_agent.ledger import LedgerError
+from client_agent.ledger_report import verify_ledger
+from coordinator.analysts import Query
+from coordinator.config import CoordinatorConfig, CoordinatorConfigError
+from coordinator.rounds import EnrolmentError, run
+from coordinator.secagg import SecaggSettings, default_min_clients, secagg_release
+from coordinator.transport import Payload, RoundReplies
+from protocol import messages as wire
+from protocol import secagg as sa
+
+SIGMA, CLIP, BITS = 10.0, 100.0, 24
+
+
+def node_config(tmp_path: Path, i: int, **over: Any) -> dict[str, Any]:
+    rng = np.random.default_rng(i)
+    x = rng.normal(size=(10, 3)).astype(np.float32)
+    y = rng.integers(0, 2, 10)
+    np.savez(tmp_path / f"data{i}.npz", x=x, y=y)
+    cfg = {
+        "ledger-path": str(tmp_path / f"ledger{i}.sqlite"),
+        "data-path": str(tmp_path / f"data{i}.npz"),
+        "epsilon": 20.0,
+        "delta": 1e-5,
+        "unit": "client",
+        "trust": "secagg",
+        "noise-seed": 100 + i,
+    }
+    return cfg | over
+
+
+class AgentTransport:
+    """The agents answer in turn; ``drop[message_type]`` lists nodes whose request is lost (no reply)."""
+
+    def __init__(self, agents: Mapping[int, Agent], drop: Mapping[str, set[int]] | None = None) -> None:
+        self.agents = dict(agents)
+        self.drop = dict(drop or {})
+        self.sent: list[tuple[str, dict[int, Payload]]] = []
+
+    def node_ids(self, count: int, *, timeout: float) -> list[int]:
+        return sorted(self.agents)[:count]
+
+    def send(self, message_type: str, payloads: Mapping[int, Payload], *, timeout: float) -> RoundReplies:
+        self.sent.append((message_type, dict(payloads)))
+        out = RoundReplies()
+        for node, (config, arrays) in payloads.items():
+            if node in self.drop.get(message_type, set()):
+                out.missing += 1
+                continue
+            outcome = self.agents[node].handle(message_type, dict(config), dict(arrays))
+            if outcome.is_error:
+                out.error(wire.error_name(outcome.error_code), outcome.error_reason)
+            else:
+                assert outcome.config is not None and outcome.arrays is not None
+                out.replies[node] = (outcome.config, outcome.arrays)
+        return out
+
+
+@pytest.fixture
+def no_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The noise share patched to zero, so the decoded sum is the plain sum of the encoded contributions."""
+    monkeypatch.setattr(sa, "rounded_gaussian", lambda rng, *, noise_std, scale_bits, size: np.zeros(size, np.int64))
+
+
+def agents(tmp_path: Path, n: int, **over: Any) -> dict[int, Agent]:
+    return {1000 + i: Agent(parse_agent_config(node_config(tmp_path, i, **over))) for i in range(n)}
+
+
+def label_count(agent: Agent) -> float:
+    return float(np.sum(agent.y == 1))
+
+
+def count_request(node: int, secagg: wire.SecaggInput, *, rnd: int = 1, run_id: str = "run") -> wire.IndicatorRequest:
+    return wire.IndicatorRequest(
+        f"{run_id}:indicator:r{rnd}:n{node}",
+        run_id,
+        rnd,
+        noise_std=SIGMA,
+        l2_clip=CLIP,
+        trust="secagg",
+        unit="client",
+        predicate="label",
+        column=0,
+        value=1.0,
+        secagg=secagg,
+    )
+
+
+def session(transport: AgentTransport, m: int, *, rnd: int = 1, run_id: str = "run") -> Any:
+    return secagg_release(
+        transport,
+        run_id=run_id,
+        rnd=rnd,
+        purpose="indicator",
+        nodes=sorted(transport.agents),
+        settings=SecaggSettings(min_clients=m, scale_bits=BITS),
+        kind=wire.INDICATOR,
+        build=lambda node, s: count_request(node, s, rnd=rnd, run_id=run_id),
+        size=1,
+        noise_std=SIGMA,
+        timeout=1.0,
+    )
+
+
+# --- the sum --------------------------------------------------------------------------------
+
+
+def test_sum_is_the_plain_sum_of_the_clients_counts(tmp_path: Path, no_noise: None) -> None:
+    group = agents(tmp_path, 5)
+    result = session(AgentTransport(group), 3)
+    assert result.total is not None and result.counts == {"advertised": 5, "shared": 5, "masked": 5, "unmasked": 5}
+    assert result.total[0] == sum(label_count(a) for a in group.values())  # exact: integers on a 2^24 grid
+    assert result.noise_var == pytest.approx(5 * SIGMA**2 / 3)
+
+
+@pytest.mark.parametrize(
+    ("drop", "survivors"),
+    [
+        ({wire.INDICATOR: {1001, 1004}}, [1000, 1002, 1003]),  # masked inputs lost: their masks are removed
+        ({wire.SECAGG_SHARES: {1002}, wire.SECAGG_UNMASK: {1000}}, [1000, 1001, 1003, 1004]),
+        ({wire.SECAGG_KEYS: {1003}, wire.INDICATOR: {1001}}, [1000, 1002, 1004]),
+    ],
+)
+def test_dropouts_below_the_threshold_are_recovered(
+    tmp_path: Path, no_noise: None, drop: dict[str, set[int]], survivors: list[int]
+) -> None:
+    group = agents(tmp_path, 5)
+    result = session(AgentTransport(group, drop), 3)
+    assert result.total is not None, result.counts
+    assert result.total[0] == sum(label_count(group[n]) for n in survivors)
+    assert result.counts["masked"] == len(survivors)
+    assert result.noise_var == pytest.approx(len(survivors) * SIGMA**2 / 3)
+
+
+def test_dropouts_above_the_threshold_release_nothing(tmp_path: Path) -> None:
+    group = agents(tmp_path, 5)
+    result = session(AgentTransport(group, {wire.INDICATOR: {1000, 1001, 1002}}), 3)
+    assert result.total is None
+    assert result.counts["aborted"] == "2 masked inputs arrived, fewer than m = 3"
+    assert result.replies.errors["secagg-aborted"] == 1
+    (tmp_path / "b").mkdir()
+    transport = AgentTransport(agents(tmp_path / "b", 5), {wire.SECAGG_UNMASK: {1000, 1001, 1002}})
+    again = session(transport, 3)
+    assert again.total is None and again.counts["aborted"].startswith("2 clients answered the unmask step")
+    assert [kind for kind, _ in transport.sent][-1] == wire.SECAGG_UNMASK
+
+
+# --- what each client charged, and when ----------------------------------------------------------
+
+
+def test_charge_is_committed_with_the_masked_input_and_replays(tmp_path: Path) -> None:
+    group = agents(tmp_path, 3)
+    result = session(AgentTransport(group), 2)
+    assert result.total is not None
+    slack = sa.rounding_slack(1, BITS)
+    for agent in group.values():
+        spent = agent.ledger.state()["spent"]
+        assert spent[0] == pytest.approx(((label_count(agent) + slack) / SIGMA) ** 2, rel=1e-12)
+        assert verify_ledger(agent.config.ledger_path) == []  # replaying the stored releases rebuilds the spend
+        kinds = [str(rel["kind"]) for _, _, rel in agent.ledger.releases()]
+        assert kinds == ["secagg-keys", "secagg-shares", "indicator", "secagg-unmask"]
+
+
+def _masked_step(transport: AgentTransport) -> tuple[int, dict[str, Any], dict[str, np.ndarray]]:
+    payloads = next(p for k, p in transport.sent if k == wire.INDICATOR)
+    node = sorted(payloads)[0]
+    return node, *payloads[node]
+
+
+def test_one_masked_input_and_one_unmask_answer_per_session_even_after_a_restart(tmp_path: Path) -> None:
+    group = agents(tmp_path, 3)
+    transport = AgentTransport(group)
+    assert session(transport, 2).total is not None
+    node, config, arrays = _masked_step(transport)
+    before = group[node].ledger.state()["spent"].copy()
+    # The agent restarts (a crash after its answers were committed): the session's state is in the ledger.
+    group[node].close()
+    agent = Agent(group[node].config)
+    same = agent.handle(wire.INDICATOR, dict(config), dict(arrays))
+    assert not same.is_error and same.arrays is not None
+    other = agent.handle(wire.INDICATOR, {**config, "request_id": "another-id", "value": 0.0}, dict(arrays))
+    assert other.error_code == wire.ERR_REPLAY
+    assert "already sent its masked input for another request" in other.error_reason
+    np.testing.assert_array_equal(agent.ledger.state()["spent"], before)  # no second charge
+    unmask = next(p for k, p in transport.sent if k == wire.SECAGG_UNMASK)[node]
+    fewer = dict(unmask[1], survivors=np.array([0, 1], np.int64))
+    refused = agent.handle(wire.SECAGG_UNMASK, {**unmask[0], "request_id": "u2"}, fewer)
+    assert refused.error_code == wire.ERR_REPLAY and "could give both shares of one peer" in refused.error_reason
+    repeat = agent.handle(wire.SECAGG_UNMASK, dict(unmask[0]), dict(unmask[1]))
+    assert not repeat.is_error  # the same request gets the stored answer
+    agent.close()
+
+
+def test_steps_out_of_order_or_from_another_run_are_refused(tmp_path: Path) -> None:
+    group = agents(tmp_path, 3)
+    agent = group[1000]
+    keys = agent.handle(wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s1", "run", 1, "secagg")))
+    assert not keys.is_error and keys.config is not None
+    zeros = np.zeros((3, sa.CIPHERTEXT_BYTES), np.uint8)
+    ghost = wire.SecaggInput("s1", BITS, sa.value_bound_for(3), np.arange(3, dtype=np.int64), zeros)
+    early = agent.handle(wire.INDICATOR, *wire.encode_request(count_request(1000, ghost)))
+    assert early.error_code == wire.ERR_MALFORMED and "step 2 (shares) was not answered" in early.error_reason
+    unknown = wire.SecaggUnmaskRequest("u", "run", 1, "secagg", "nope", np.arange(3, dtype=np.int64))
+    refused = agent.handle(wire.SECAGG_UNMASK, *wire.encode_request(unknown))
+    assert refused.error_code == wire.ERR_MALFORMED and "'nope': step 1 (keys) was not answered" in refused.error_reason
+    roster_other_run = wire.SecaggSharesRequest(
+        "sh", "other-run", 1, "secagg", "s1", 2, np.zeros((2, 32), np.uint8), np.zeros((2, 32), np.uint8)
+    )
+    wrong_run = agent.handle(wire.SECAGG_SHARES, *wire.encode_request(roster_other_run))
+    assert wrong_run.error_code == wire.ERR_MALFORMED
+    assert "expected run 'run' round 1, got run 'other-run' round 1" in wrong_run.error_reason
+    stranger_keys = np.stack([np.frombuffer(sa.generate_keypair()[1], np.uint8) for _ in range(4)])
+    not_listed = wire.SecaggSharesRequest("sh", "run", 1, "secagg", "s1", 2, stranger_keys[:2], stranger_keys[2:])
+    missing = agent.handle(wire.SECAGG_SHARES, *wire.encode_request(not_listed))
+    assert missing.error_code == wire.ERR_MALFORMED
+    assert "expected this client's advertised keys exactly once" in missing.error_reason
+    assert agent.ledger.state()["spent"][0] == 0.0
+
+
+def test_a_range_too_small_for_the_worst_case_is_refused_before_any_charge(tmp_path: Path) -> None:
+    group = agents(tmp_path, 3)
+
+    class Narrow(AgentTransport):
+        def send(self, message_type: str, payloads: Mapping[int, Payload], *, timeout: float) -> RoundReplies:
+            if message_type == wire.INDICATOR:
+                payloads = {n: ({**c, "secagg_value_bound": 10**6}, a) for n, (c, a) in payloads.items()}
+            return super().send(message_type, payloads, timeout=timeout)
+
+    result = session(Narrow(group), 2)
+    assert result.total is None
+    reason = next(iter(result.replies.reasons))
+    assert "this client's worst case needs values up to" in reason and "the session allows 1000000" in reason
+    assert all(a.ledger.state()["spent"][0] == 0.0 for a in group.values())
+
+
+def test_tampered_shares_are_refused_before_any_charge(tmp_path: Path) -> None:
+    group = agents(tmp_path, 3)
+
+    class Tamper(AgentTransport):
+        def send(self, message_type: str, payloads: Mapping[int, Payload], *, timeout: float) -> RoundReplies:
+            if message_type == wire.INDICATOR:
+                changed = {}
+                for n, (c, a) in payloads.items():
+                    cts = a["secagg_ciphertexts"].copy()
+                    cts[0, 50] ^= 0xFF
+                    changed[n] = (c, {**a, "secagg_ciphertexts": cts})
+                payloads = changed
+            return super().send(message_type, payloads, timeout=timeout)
+
+    result = session(Tamper(group), 2)
+    assert result.total is None
+    assert any("share from peer 0 to" in r and "does not authenticate" in r for r in result.replies.reasons)
+    assert all(a.ledger.state()["spent"][0] == 0.0 for a in group.values())
+
+
+def test_local_trust_clients_and_low_thresholds_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    local = Agent(parse_agent_config(node_config(tmp_path / "a", 0, trust="local")))
+    keys = local.handle(wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s", "run", 1, "secagg")))
+    assert keys.error_code == wire.ERR_POLICY
+    assert "trust 'secagg' asked; this client's ledger is fixed to trust 'local'" in keys.error_reason
+    strict = agents(tmp_path, 3, **{"policy-secagg-min-clients": 3})
+    result = session(AgentTransport(strict), 2)
+    assert result.total is None
+    assert any("secagg min_clients 2 asked; the policy requires at least 3" in r for r in result.replies.reasons)
+
+
+def test_secagg_ledger_is_fixed_to_secagg(tmp_path: Path) -> None:
+    agent = agents(tmp_path, 1)[1000]
+    status = agent.handle(wire.STATUS, {"request_id": "s", "run_id": "run", "round": 0}, {})
+    assert status.config is not None and json.loads(status.config["description"])["ledger"]["trust"] == "secagg"
+    config = agent.config
+    agent.close()
+    for other in ("central", "local"):
+        with pytest.raises(LedgerError, match="trust"):
+            Agent(parse_agent_config(node_config(tmp_path, 0, trust=other)))
+    Agent(config).close()
+
+
+# --- the coordinator's run --------------------------------------------------------------------
+
+
+def test_run_in_secagg_trust_with_an_aborted_round(tmp_path: Path, no_noise: None) -> None:
+    # Round 2's masked inputs are lost for 3 of 5 clients: that round releases nothing and takes no
+    # step; rounds 1 and 3 answer the exact count (noise patched to zero).
+    group = agents(tmp_path, 5)
+
+    class LoseRound2(AgentTransport):
+        def send(self, message_type: str, payloads: Mapping[int, Payload], *, timeout: float) -> RoundReplies:
+            rnd = next(iter(payloads.values()))[0]["round"]
+            self.drop = {wire.INDICATOR: {1000, 1001, 1002}} if rnd == 2 else {}
+            return super().send(message_type, payloads, timeout=timeout)
+
+    cfg = CoordinatorConfig(
+        num_nodes=5,
+        n_public=5,
+        rounds=3,
+        noise_std=SIGMA,
+        l2_clip=CLIP,
+        task="indicator",
+        trust="secagg",
+        unit="client",
+        run_id="run",
+        progress=False,
+        secagg_min_clients=3,
+    )
+    summary = run(LoseRound2(group), cfg, analyst=lambda answers: Query("label", 0, 1.0))
+    assert [a["round"] for a in summary["answers"]] == [1, 3]
+    expected = sum(label_count(a) for a in group.values())
+    assert all(a["value"] == expected for a in summary["answers"])
+    assert summary["rounds"][1]["secagg"]["aborted"] == "2 masked inputs arrived, fewer than m = 3"
+    assert summary["rounds"][1]["answer"] is None and summary["rounds"][1]["errors"]["secagg-aborted"] == 1
+    assert summary["rounds"][0]["release_noise_std"] == pytest.approx(SIGMA * np.sqrt(5 / 3))
+    privacy = summary["privacy"]
+    assert privacy["trust"] == "secagg" and privacy["secagg"]["min_clients"] == 3
+    assert "at least m = 3" in privacy["statement"] and "honest" in privacy["statement"]
+
+
+def test_tree_monitor_under_secagg_counts_exactly_without_noise(tmp_path: Path, no_noise: None) -> None:
+    # Record units at full norm C = 1 and sigma = 2 spend 0.25 a round; the (2, 1e-5) GDP threshold
+    # minus the tree's reservation L / sigma_m^2 leaves room for about two rounds. With the noise
+    # patched to zero the masked tree counts are exact: the monitor's estimate equals the true
+    # number of active units every round, read back from the ledgers' halt rounds.
+    over = {
+        "unit": "record",
+        "epsilon": 2.0,
+        "monitor": "tree",
+        "monitor-noise-std": 10.0,
+        "monitor-max-rounds": 8,
+    }
+    group = agents(tmp_path, 4, **over)
+    cfg = CoordinatorConfig(
+        num_nodes=4,
+        n_public=40,
+        rounds=8,
+        noise_std=2.0,
+        l2_clip=1.0,
+        learning_rate=0.5,
+        trust="secagg",
+        unit="record",
+        model="logreg",
+        model_args=json.dumps({"in_features": 3, "n_classes": 2}),
+        run_id="tree",
+        monitor="tree",
+        monitor_threshold=1,
+        progress=False,
+        secagg_min_clients=3,
+    )
+    summary = run(AgentTransport(group), cfg)
+    halts = np.concatenate([a.ledger.state()["halt_round"] for a in group.values()])
+    assert summary["stopped_because"] == "monitor"
+    for log in summary["rounds"]:
+        t = log["round"]
+        exact = int(np.sum((halts < 0) | (halts > t)))
+        assert log["monitor"]["active_estimate"] == exact
+        assert log["monitor"]["estimate_std"] == pytest.approx(10.0 * np.sqrt(4 / 3) * np.sqrt(len(_nodes(t))))
+
+
+def _nodes(t: int) -> list[tuple[int, int]]:
+    from coordinator.monitor import dyadic_nodes
+
+    return dyadic_nodes(t)
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        (
+            {"secagg_min_clients": 1},
+            r"secagg_min_clients: expected 0 \(default\) or an integer in \[2, num_nodes = 3\]",
+        ),
+        ({"secagg_min_clients": 4}, r"got 4"),
+        ({"secagg_scale_bits": 60}, r"secagg_scale_bits: expected an integer in \[8, 52\], got 60"),
+        ({"monitor": "svt", "monitor_epsilon": 1.0, "monitor_threshold": 1}, "needs trust 'central'"),
+    ],
+)
+def test_bad_secagg_coordinator_config(over: dict[str, Any], message: str) -> None:
+    base: dict[str, Any] = dict(num_nodes=3, n_public=3, rounds=1, noise_std=1.0, l2_clip=1.0, trust="secagg")
+    with pytest.raises(CoordinatorConfigError, match=message):
+        CoordinatorConfig(**(base | over))
+
+
+def test_enrolment_needs_m_clients(tmp_path: Path) -> None:
+    group = agents(tmp_path, 2)
+    cfg = CoordinatorConfig(
+        num_nodes=2,
+        n_public=1,
+        rounds=1,
+        noise_std=SIGMA,
+        l2_clip=CLIP,
+        task="indicator",
+        trust="secagg",
+        unit="client",
+    )
+    assert default_min_clients(2) == 2 and default_min_clients(10) == 7
+    transport = AgentTransport(group, {wire.STATUS: {1001}})
+    with pytest.raises(EnrolmentError, match="secagg: m = 2 clients per sum asked; only 1 clients enrolled"):
+        run(transport, cfg)
+
+
+def test_wire_refuses_malformed_secagg_fields() -> None:
+    peers = np.arange(3, dtype=np.int64)
+    good = wire.SecaggInput("s", BITS, sa.value_bound_for(3), peers, np.zeros((3, sa.CIPHERTEXT_BYTES), np.uint8))
+    config, arrays = wire.encode_request(count_request(1, good))
+    decoded = wire.decode_request(wire.INDICATOR, config, arrays)
+    assert isinstance(decoded, wire.IndicatorRequest) and decoded.secagg is not None
+    assert decoded.secagg.session == "s" and decoded.secagg.peers.tolist() == [0, 1, 2]
+    cases = [
+        (config, arrays | {"secagg_ciphertexts": np.zeros((2, sa.CIPHERTEXT_BYTES), np.uint8)}, "must be uint8[3, "),
+        (config, arrays | {"secagg_peers": peers.astype(np.int32)}, "must be a 1-d int64 list of roster indices"),
+        ({k: v for k, v in config.items() if k != "secagg_session"}, arrays, "missing key 'secagg_session'"),
+        (config | {"secagg_value_bound": 2**63}, arrays, "'secagg_value_bound' must be <= 2^63 - 1"),
+        (config | {"secagg_scale_bits": 53}, arrays, "'secagg_scale_bits' must be <= 52"),
+        (config | {"trust": "local"}, arrays, "unexpected key 'secagg_"),
+    ]
+    for cfg, arrs, message in cases:
+        with pytest.raises(wire.ProtocolError, match=re.escape(message)):
+            wire.decode_request(wire.INDICATOR, cfg, arrs)
+    keys = wire.encode_request(wire.SecaggKeysRequest("k", "run", 1, "secagg"))
+    with pytest.raises(wire.ProtocolError, match=r"'trust' must be one of \('secagg',\), got 'local'"):
+        wire.decode_request(wire.SECAGG_KEYS, keys[0] | {"trust": "local"}, {})
+    reply = wire.MaskedInputReply("r", "s", np.zeros(4, np.uint64)).encode()
+    with pytest.raises(wire.ProtocolError, match=r"array 'masked' must be uint64\[5\], got uint64\(4,\)"):
+        wire.MaskedInputReply.decode(*reply, size=5)
+    with pytest.raises(wire.ProtocolError, match=r"array 'masked' must be uint64\[4\], got int64\(4,\)"):
+        wire.MaskedInputReply.decode(reply[0], {"masked": np.zeros(4, np.int64)}, size=4)
