@@ -34,6 +34,7 @@ from simulations.data import (
     synthetic_classification,
 )
 from simulations.federation import write_clients
+from simulations.reproductions import filters_compare, realisation_survival
 from simulations.scenarios import sparse_counting
 
 
@@ -66,6 +67,9 @@ class Plan:
     evaluate: Evaluate | None
     worst_case_rounds: int
     notes: dict[str, Any]
+    # Paper reproductions: after the run, (summary, out) -> entries added to summary.json under
+    # "reproduction" (their "plots" join the run's plots, their "headline" lines the headline).
+    post: Callable[[dict[str, Any], Path], dict[str, Any]] | None = None
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -224,16 +228,23 @@ PRESETS: dict[str, Callable[[Options, Path], Plan]] = {
     "quickstart": quickstart,
     "sparse-queries": sparse_queries,
     "mnist-gd": mnist_gd,
+    "realisation-survival": realisation_survival,
+    "filters-compare": filters_compare,
 }
 
 
-def active_per_round(clients: dict[int, dict[str, Any]], rounds: int) -> np.ndarray:
-    """Active units after each round 0..rounds, from the simulated clients' ledgers (ground truth)."""
+def halt_rounds(clients: dict[int, dict[str, Any]]) -> np.ndarray:
+    """Every unit's halt round (its last round with data; -1: still active), from the simulated clients' ledgers."""
     halts = []
     for node in clients.values():
         with Ledger.open_existing(Path(node["ledger-path"])) as ledger:
             halts.append(ledger.state()["halt_round"])
-    h = np.concatenate(halts)
+    return np.concatenate(halts)
+
+
+def active_per_round(clients: dict[int, dict[str, Any]], rounds: int) -> np.ndarray:
+    """Active units after each round 0..rounds, from the simulated clients' ledgers (ground truth)."""
+    h = halt_rounds(clients)
     return np.array([np.count_nonzero((h < 0) | (h > t)) for t in range(rounds + 1)])
 
 
@@ -288,12 +299,14 @@ def simulate(preset: str, opts: Options) -> dict[str, Any]:
     }
     truth["out"] = str(out)
     summary["simulation"] = truth
+    if plan.post is not None:
+        summary["reproduction"] = plan.post(summary, out)
     from coordinator.report import write_json_atomic
     from simulations.plots import plot_run
 
     written = {k: v for k, v in summary.items() if k not in ("parameters", "rounds")}
     write_json_atomic(out / "summary.json", written)
-    summary["plots"] = plot_run(summary, out)
+    summary["plots"] = plot_run(summary, out) + list(summary.get("reproduction", {}).get("plots", []))
     return summary
 
 
@@ -326,4 +339,5 @@ def headline(summary: dict[str, Any]) -> list[str]:
             f"Queries answered: {summary['queries_answered']}; worst-case accounting: {summary['worst_case_queries']} "
             f"({summary['queries_answered'] / max(summary['worst_case_queries'], 1):.1f}x)."
         )
+    lines.extend(summary.get("reproduction", {}).get("headline", []))
     return lines
