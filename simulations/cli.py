@@ -4,6 +4,9 @@ Subcommands:
   budget   privacy calculator: each filter's budget and the full-norm rounds it allows
   ledger   show or verify a client's privacy ledger
   simulate a federation on one machine, on Flower's simulation engine
+  certs    CA and TLS server certificate for the coordinator's SuperLink (simulations.deploy)
+  keys     a SuperNode key pair for node authentication
+  agent    check a client agent's configuration file; write demo agents
 """
 
 from __future__ import annotations
@@ -215,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget(sub)
     _add_ledger(sub)
     _add_simulate(sub)
+    from simulations.deploy import add_commands as _add_deploy
+
+    _add_deploy(sub)
     return parser
 
 

@@ -1,0 +1,490 @@
+"""The deployed path on one host: a SuperLink with TLS and node authentication, SuperNodes running client agents.
+
+Used by ``scripts/deploy_local.py``, the end-to-end tests and ``benchmarks/deploy_latency.py``.
+It runs exactly the commands of ``docs/deploy.md``:
+
+- ``flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile server.key
+  --enable-supernode-auth --disable-runtime-dependency-installation --host 127.0.0.1 --port P``
+- ``flwr supernode register agent.pub fedfilter-local`` (one per agent; the node id is fixed by the key)
+- ``flower-supernode --superlink 127.0.0.1:P --root-certificates ca.crt --auth-supernode-private-key agent
+  --node-config 'agent-config="/abs/agent.toml"' --host 127.0.0.1 --port Q``
+- ``flwr run APP fedfilter-local -c key=value ... --stream``
+
+Every server binds 127.0.0.1 on a free port picked at start. Each process starts in its own
+session; stopping it signals its process group and every process it started (found through
+``/proc`` before the signal), by PID. Each SuperNode gets its own ``FLWR_HOME`` (where Flower
+installs the app bundle), as separate machines would; the ``flwr`` CLI gets one whose
+``config.toml`` names only this SuperLink, so the user's ``~/.flwr`` is never read or written.
+
+Restarts: a SuperNode killed without a goodbye stays "online" on the SuperLink until two
+heartbeats are missed (flwr 1.41: 2 x 30 s), and the SuperLink refuses to activate the same
+node id again before that (the SuperNode exits with code 305). :meth:`LocalDeployment.start_agent`
+retries like a service supervisor would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from simulations.deploy import CONNECTION, Certificates, check_agent_file, make_certificates, write_connection
+
+FLOWER_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # no `uv sync` of the app bundle (no network)
+    "PYTHONUNBUFFERED": "1",
+}
+APP_PACKAGES = ("protocol", "client_agent", "coordinator")
+ACTIVATION_REFUSED = "Failed to activate SuperNode"
+_NODE_ID = re.compile(r"SuperNode ID: (\d+)")
+
+
+class DeploymentError(RuntimeError):
+    """A process of the local deployment did not start, refused, or a run ended without its summary."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, grandchildren, ...), read from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # field 4
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields 3.. of ``/proc/PID/stat`` (state, ppid, ..., starttime at index 19), or None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks after boot): with the PID, it names one process for good."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def pid_alive(pid: int, started: int | None = None) -> bool:
+    """Whether ``pid`` is a live process (not a zombie), and the same one that started at ``started``."""
+    fields = _stat(pid)
+    if fields is None or fields[0] == "Z":
+        return False
+    return started is None or int(fields[19]) == started
+
+
+def run_config_args(run_config: Mapping[str, Any]) -> list[str]:
+    """``-c key=value`` arguments for ``flwr run``; values in TOML syntax, as Flower parses them."""
+    out: list[str] = []
+    for key, value in run_config.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        elif isinstance(value, str):
+            # Flower splits on `key="..."` or `key='...'`, so the value may hold one kind of quote only.
+            if '"' not in value and "\\" not in value:
+                text = f'"{value}"'
+            elif "'" not in value:
+                text = f"'{value}'"
+            else:
+                raise DeploymentError(f"run config {key!r}: a value with both quote kinds cannot pass flwr -c")
+        else:
+            raise DeploymentError(f"run config {key!r}: expected a bool, number or string, got {value!r}")
+        out += ["-c", f"{key}={text}"]
+    return out
+
+
+def stage_app(dest: Path, source: Path | None = None) -> Path:
+    """Copy the Flower app (``pyproject.toml`` and the packages both apps import) to ``dest``; returns ``dest``.
+
+    ``flwr run`` bundles every ``.py``/``.toml``/``.md`` under the app folder; a staged copy keeps
+    the bundle to what the ServerApp and ClientApp need.
+    """
+    source = source or Path(__file__).resolve().parents[1]
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("pyproject.toml", "README.md"):
+        if (source / name).exists():
+            shutil.copy2(source / name, dest / name)
+    for package in APP_PACKAGES:
+        shutil.copytree(
+            source / package,
+            dest / package,
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+            dirs_exist_ok=True,
+        )
+    return dest
+
+
+@dataclass
+class Service:
+    """One process started by :class:`LocalDeployment` (a SuperLink, a SuperNode, a ``flwr run``)."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    proc: subprocess.Popen[bytes]
+    node_id: int | None = None
+    started: list[float] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+class LocalDeployment:
+    """A coordinator service and client agents under ``root``; a context manager that stops them all."""
+
+    def __init__(self, root: Path, *, bin_dir: Path | None = None, echo: Callable[[str], None] | None = None) -> None:
+        self.root = root.resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.bin_dir = (bin_dir or Path(sys.executable).parent).resolve()
+        self.echo = echo or (lambda _line: None)
+        self.services: list[Service] = []
+        self.certs: Certificates | None = None
+        self.port: int | None = None
+        self.flwr_home = self.root / "flwr-cli"
+        self.superlink: Service | None = None
+        self.pids_seen: dict[int, int | None] = {}  # pid -> start time: processes started here and by them
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def env(self, flwr_home: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(FLOWER_ENV)
+        env["FLWR_HOME"] = str(flwr_home)
+        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"  # flower-superexec, flwr-clientapp
+        return env
+
+    def _tool(self, name: str) -> str:
+        path = self.bin_dir / name
+        if not path.exists():
+            raise DeploymentError(f"{name}: expected it in {self.bin_dir} (the environment with flwr 1.41), found none")
+        return str(path)
+
+    def _spawn(self, name: str, argv: list[str], flwr_home: Path, log: Path) -> Service:
+        self.echo("$ " + " ".join(_quote(a) for a in argv))
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env(flwr_home),
+                cwd=flwr_home,
+                start_new_session=True,
+            )
+        service = Service(name, argv, log, proc, started=[time.monotonic()])
+        self.services.append(service)
+        self._seen([proc.pid])
+        return service
+
+    def signal(self, service: Service, sig: int) -> None:
+        """Send ``sig`` to the service's process group and to every process it started (by PID)."""
+        pids = [service.pid, *descendants(service.pid)]
+        self._seen(pids)
+        own = os.getpgid(0)
+        groups = set()
+        for pid in pids:
+            try:
+                groups.add(os.getpgid(pid))
+            except ProcessLookupError:
+                continue
+        for group in groups - {own}:
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self, service: Service) -> None:
+        """SIGKILL: the service and everything it started die at once, with no goodbye to the SuperLink."""
+        self.echo(f"# kill -KILL {service.name} (pid {service.pid})")
+        self.signal(service, signal.SIGKILL)
+        service.proc.wait(timeout=30)
+
+    def stop(self, service: Service, *, grace: float = 10.0) -> None:
+        """SIGTERM (a SuperNode then says goodbye to the SuperLink), SIGKILL whatever is left after ``grace``."""
+        pids = [service.pid, *descendants(service.pid)]
+        self._seen(pids)
+        if service.alive():
+            self.signal(service, signal.SIGTERM)
+            try:
+                service.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal(service, signal.SIGKILL)
+        for pid in pids:  # children the service left behind (already reparented)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            service.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired as exc:
+            raise DeploymentError(f"{service.name} (pid {service.pid}) did not stop") from exc
+
+    def stop_all(self) -> None:
+        """Stop every process this deployment started: agents and runs first, the SuperLink last."""
+        for service in sorted(self.services, key=lambda s: s is self.superlink):
+            self.stop(service, grace=5.0)
+        self.services.clear()
+
+    def survivors(self) -> list[int]:
+        """Processes started here (or by them) that are still alive: none after :meth:`stop_all`."""
+        for service in self.services:
+            self._seen(descendants(service.pid))
+        return sorted(pid for pid, started in self.pids_seen.items() if pid_alive(pid, started))
+
+    def _seen(self, pids: list[int]) -> None:
+        for pid in pids:
+            self.pids_seen.setdefault(pid, start_time(pid))
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop_all()
+
+    # -- coordinator service -----------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise DeploymentError("the SuperLink is not started")
+        return f"127.0.0.1:{self.port}"
+
+    def start_superlink(self, *, timeout: float = 90.0) -> Service:
+        """TLS with a fresh CA under ``root/certs`` (kept if present) and node authentication on."""
+        cert_dir = self.root / "certs"
+        self.certs = (
+            Certificates.in_dir(cert_dir)
+            if Certificates.in_dir(cert_dir).server_key.exists()
+            else make_certificates(cert_dir)
+        )
+        self.port = free_port()
+        home = self.root / "superlink"
+        home.mkdir(parents=True, exist_ok=True)
+        argv = [
+            self._tool("flower-superlink"),
+            "--ssl-ca-certfile",
+            str(self.certs.ca_cert),
+            "--ssl-certfile",
+            str(self.certs.server_cert),
+            "--ssl-keyfile",
+            str(self.certs.server_key),
+            "--enable-supernode-auth",
+            "--disable-runtime-dependency-installation",
+            "--database",
+            str(home / "state.db"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        self.superlink = self._spawn("superlink", argv, home, self.root / "logs" / "superlink.log")
+        write_connection(self.flwr_home, self.address, self.certs.ca_cert)
+        deadline = time.monotonic() + timeout
+        while "Uvicorn running" not in self.superlink.log_text():
+            if not self.superlink.alive() or time.monotonic() > deadline:
+                raise DeploymentError(f"the SuperLink did not start; its log ends:\n{self.superlink.tail()}")
+            time.sleep(0.2)
+        return self.superlink
+
+    def flwr(self, *args: str, timeout: float = 120.0) -> str:
+        """Run the ``flwr`` CLI against this SuperLink; returns its output, raises on a non-zero exit."""
+        argv = [self._tool("flwr"), *args]
+        self.echo("$ " + " ".join(_quote(a) for a in argv))
+        done = subprocess.run(
+            argv, env=self.env(self.flwr_home), cwd=self.root, capture_output=True, timeout=timeout, check=False
+        )
+        out = done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")
+        if done.returncode != 0:
+            raise DeploymentError(f"flwr {' '.join(args)}: exit code {done.returncode}; output:\n{out[-3000:]}")
+        return out
+
+    def register(self, public_key: Path) -> int:
+        """``flwr supernode register``: the SuperLink accepts the key's owner; returns its node id."""
+        out = self.flwr("supernode", "register", str(public_key), CONNECTION, "--format", "json")
+        reply = json.loads(out[out.index("{") : out.rindex("}") + 1])
+        if not reply.get("success"):
+            raise DeploymentError(f"flwr supernode register {public_key}: expected success, got {reply}")
+        return int(reply["node-id"])
+
+    def unregister(self, node_id: int) -> None:
+        self.flwr("supernode", "unregister", str(node_id), CONNECTION)
+
+    def nodes(self) -> dict[int, str]:
+        """Node id -> status (registered, online, offline, unregistered) as the SuperLink lists them."""
+        out = self.flwr("supernode", "ls", CONNECTION, "--format", "json")
+        reply = json.loads(out[out.index("{") : out.rindex("}") + 1])
+        return {int(n["node-id"]): str(n["status"]) for n in reply.get("nodes", [])}
+
+    # -- client agents -----------------------------------------------------------------------
+
+    def start_agent(
+        self,
+        name: str,
+        agent_toml: Path,
+        private_key: Path,
+        *,
+        retry_for: float = 120.0,
+        timeout: float = 90.0,
+    ) -> Service:
+        """Check ``agent_toml`` as the ClientApp will, then start a SuperNode for it and wait for its node id.
+
+        While the SuperLink refuses to activate the node (a crashed predecessor still counts as
+        online), start it again every few seconds for up to ``retry_for`` seconds.
+        """
+        check_agent_file(agent_toml)
+        if self.certs is None:
+            raise DeploymentError("start the SuperLink first")
+        home = self.root / "agents" / name
+        home.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + retry_for
+        attempt = 0
+        while True:
+            attempt += 1
+            argv = [
+                self._tool("flower-supernode"),
+                "--superlink",
+                self.address,
+                "--root-certificates",
+                str(self.certs.ca_cert),
+                "--auth-supernode-private-key",
+                str(private_key.resolve()),
+                "--node-config",
+                f'agent-config="{agent_toml.resolve()}"',
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(free_port()),
+                "--max-retries",
+                "3",
+            ]
+            log = self.root / "logs" / f"{name}.log"
+            seen = len(log.read_text(errors="replace")) if log.exists() else 0
+            service = self._spawn(name, argv, home, log)
+            waited_until = time.monotonic() + timeout
+            while True:
+                text = service.log_text()[seen:]
+                if found := _NODE_ID.search(text):
+                    service.node_id = int(found.group(1))
+                    return service
+                if not service.alive() or time.monotonic() > waited_until:
+                    break
+                time.sleep(0.2)
+            code = service.proc.poll()
+            self.stop(service, grace=2.0)
+            self.services.remove(service)
+            if ACTIVATION_REFUSED in text and time.monotonic() < deadline:
+                self.echo(f"# {name}: the SuperLink refused activation (attempt {attempt}); trying again")
+                time.sleep(3.0)
+                continue
+            raise DeploymentError(
+                f"agent {name}: expected the SuperNode to report its node id, found exit code {code}; "
+                f"its log ends:\n{_tail(text)}"
+            )
+
+    # -- runs --------------------------------------------------------------------------------
+
+    def run(self, app: Path, run_config: Mapping[str, Any], *, timeout: float = 900.0) -> dict[str, Any]:
+        """``flwr run APP fedfilter-local -c ... --stream``; returns the run's ``summary.json`` (``output-dir``).
+
+        The summary gains ``wall_s``, the seconds from ``flwr run`` until it returned.
+        """
+        config = dict(run_config)
+        config.setdefault("output-dir", str(self.root / "runs" / str(config.get("run-id", "run"))))
+        config.setdefault("progress", False)
+        out_dir = Path(str(config["output-dir"]))
+        argv = [self._tool("flwr"), "run", str(app.resolve()), CONNECTION, *run_config_args(config), "--stream"]
+        log = self.root / "logs" / f"flwr-run-{config.get('run-id', 'run')}.log"
+        started = time.monotonic()
+        service = self._spawn(f"flwr run {config.get('run-id', '')}", argv, self.flwr_home, log)
+        try:
+            service.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise DeploymentError(
+                f"flwr run did not finish within {timeout} s; its log ends:\n{service.tail()}"
+            ) from exc
+        finally:
+            self.stop(service, grace=2.0)
+            self.services.remove(service)
+        wall = time.monotonic() - started
+        summary_path = out_dir / "summary.json"
+        if not summary_path.exists():
+            superlink = self.superlink.tail() if self.superlink else ""
+            raise DeploymentError(
+                f"run {config.get('run-id')}: expected {summary_path}, found none (flwr run exit code "
+                f"{service.proc.returncode}); its log ends:\n{service.tail()}\nSuperLink log ends:\n{superlink}"
+            )
+        summary: dict[str, Any] = json.loads(summary_path.read_text())
+        summary["wall_s"] = wall
+        summary["rounds"] = [json.loads(line) for line in (out_dir / "rounds.jsonl").read_text().splitlines() if line]
+        return summary
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _quote(arg: str) -> str:
+    return arg if re.fullmatch(r"[\w@%+=:,./-]+", arg) else "'" + arg.replace("'", "'\\''") + "'"
+
+
+def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str, every: float = 0.5) -> None:
+    """Poll ``predicate`` until it holds; a DeploymentError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise DeploymentError(f"expected {what} within {timeout} s; it did not happen")
+        time.sleep(every)

@@ -1,0 +1,169 @@
+"""Deployment files: certificates, SuperNode keys in the format flwr 1.41 loads, agent TOMLs, run-config arguments."""
+
+from __future__ import annotations
+
+import re
+import socket
+import ssl
+import stat
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+from client_agent.config import _KEYS, AgentConfigError, parse_agent_config
+from simulations.cli import main as cli_main
+from simulations.deploy import (
+    DeployFileError,
+    check_agent_file,
+    connection_toml,
+    make_certificates,
+    make_node_keys,
+    write_agent_toml,
+)
+from simulations.local_deployment import run_config_args
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "agent.example.toml"
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_example_agent_file_validates_and_documents_every_key() -> None:
+    cfg = parse_agent_config({"agent-config": str(EXAMPLE)})
+    assert (cfg.epsilon, cfg.delta, cfg.filter, cfg.unit, cfg.trust) == (2.0, 1e-5, "gdp", "record", "local")
+    assert cfg.policy.min_noise_std == 1.0 and cfg.policy.max_clip == 10.0
+    assert cfg.policy.allowed_trust == ("local",)
+    text = EXAMPLE.read_text()
+    missing = sorted(k for k in _KEYS - {"noise-seed"} if not re.search(rf"^#? ?{re.escape(k)} =", text, re.M))
+    assert not missing, f"docs/agent.example.toml: document the keys {missing}"
+
+
+def test_agent_config_errors_name_expected_and_found(tmp_path: Path) -> None:
+    bad = tmp_path / "agent.toml"
+    bad.write_text(EXAMPLE.read_text().replace("epsilon = 2.0", 'epsilon = "two"'))
+    with pytest.raises(AgentConfigError, match="'epsilon' must be float, got 'two'"):
+        parse_agent_config({"agent-config": str(bad)})
+    with pytest.raises(AgentConfigError, match="agent-config: no file at"):
+        parse_agent_config({"agent-config": str(tmp_path / "none.toml")})
+
+
+def test_check_agent_file(tmp_path: Path) -> None:
+    x = np.zeros((5, 3), dtype=np.float32)
+    np.savez(tmp_path / "data.npz", x=x, y=np.zeros(5, dtype=np.int64))
+    good = {"ledger-path": str(tmp_path / "ledger.sqlite"), "data-path": str(tmp_path / "data.npz")}
+    path = write_agent_toml(tmp_path / "agent.toml", {**good, "epsilon": 1.0, "delta": 1e-6})
+    described = check_agent_file(path)
+    assert described["units"] == 5 and described["ledger"] == "created at the first request"
+    assert not (tmp_path / "ledger.sqlite").exists()  # checking creates nothing
+    relative = write_agent_toml(tmp_path / "rel.toml", {**good, "data-path": "data.npz", "epsilon": 1.0, "delta": 0.1})
+    with pytest.raises(DeployFileError, match="data-path: expected an absolute path"):
+        check_agent_file(relative)
+    missing = write_agent_toml(
+        tmp_path / "miss.toml", {**good, "data-path": str(tmp_path / "no.npz"), "epsilon": 1.0, "delta": 0.1}
+    )
+    with pytest.raises(DeployFileError, match="found nothing at"):
+        check_agent_file(missing)
+
+
+def test_certificates_chain_and_tls_handshake(tmp_path: Path) -> None:
+    certs = make_certificates(tmp_path / "certs")
+    for key in (certs.ca_key, certs.server_key):
+        assert mode(key) == 0o600
+    for cert in (certs.ca_cert, certs.server_cert):
+        assert mode(cert) == 0o644
+    server = x509.load_pem_x509_certificate(certs.server_cert.read_bytes())
+    ca = x509.load_pem_x509_certificate(certs.ca_cert.read_bytes())
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "localhost" in san.get_values_for_type(x509.DNSName)
+    assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} >= {"127.0.0.1", "::1"}
+
+    # A TLS server with these files, a client that trusts only ca.crt and dials 127.0.0.1.
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(certs.server_cert, certs.server_key)
+    client_ctx = ssl.create_default_context(cafile=str(certs.ca_cert))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with server_ctx.wrap_socket(conn, server_side=True) as tls:
+                tls.sendall(b"ok")
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            with client_ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                assert tls.recv(2) == b"ok"
+        thread.join(timeout=10)
+
+
+def test_certificates_refuse_to_overwrite(tmp_path: Path) -> None:
+    first = make_certificates(tmp_path)
+    before = first.ca_key.read_bytes()
+    with pytest.raises(DeployFileError, match=r"refusing to overwrite existing files .*ca\.crt.*--force"):
+        make_certificates(tmp_path)
+    assert first.ca_key.read_bytes() == before
+    make_certificates(tmp_path, force=True, hosts=["coordinator.example.org", "10.0.0.5"])
+    assert first.ca_key.read_bytes() != before and mode(first.ca_key) == 0o600
+    with pytest.raises(DeployFileError, match="host: expected an IP address or a DNS name"):
+        make_certificates(tmp_path / "other", hosts=["bad host"])
+
+
+def test_node_keys_load_as_flower_does(tmp_path: Path) -> None:
+    from flwr.cli.supernode.register import try_load_public_key
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
+
+    keys = make_node_keys(tmp_path / "agent0", comment="agent0@site")
+    assert mode(keys.private) == 0o600 and mode(keys.public) == 0o644
+    assert keys.public.read_text().startswith("ecdsa-sha2-nistp384 ")
+    private = load_ssh_private_key(keys.private.read_bytes(), None)  # as flower-supernode loads it
+    assert isinstance(private, ec.EllipticCurvePrivateKey) and private.curve.name == "secp384r1"
+    registered = try_load_public_key(keys.public)  # as `flwr supernode register` loads it
+    assert registered == public_key_to_bytes(private.public_key())
+
+
+def test_node_keys_refuse_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["keys", str(tmp_path / "node")]) == 0
+    before = (tmp_path / "node").read_bytes()
+    assert cli_main(["keys", str(tmp_path / "node")]) == 2
+    assert "refusing to overwrite existing files" in capsys.readouterr().err
+    assert (tmp_path / "node").read_bytes() == before
+    assert cli_main(["keys", str(tmp_path / "node"), "--force"]) == 0
+    assert (tmp_path / "node").read_bytes() != before
+    assert cli_main(["certs", "--out", str(tmp_path / "certs")]) == 0
+    assert mode(tmp_path / "certs" / "server.key") == 0o600
+
+
+def test_run_config_arguments_parse_as_flower_parses_them() -> None:
+    from flwr.common.config import parse_config_args
+
+    config = {
+        "rounds": 3,
+        "noise-std": 1e-05,
+        "progress": False,
+        "run-id": "run-1",
+        "model-args": '{"in_features": 4, "n_classes": 2}',
+        "output-dir": "/tmp/a b/out",
+    }
+    args = run_config_args(config)
+    assert args[::2] == ["-c"] * len(config)
+    assert parse_config_args(args[1::2]) == config
+
+
+def test_connection_toml_is_what_flwr_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flwr.cli.flower_config import read_superlink_connection
+
+    (tmp_path / "config.toml").write_text(connection_toml("127.0.0.1:9093", tmp_path / "ca.crt"))
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    conn = read_superlink_connection(None)
+    assert conn.name == "fedfilter-local" and conn.address == "127.0.0.1:9093"
+    assert conn.root_certificates == str((tmp_path / "ca.crt").resolve())
