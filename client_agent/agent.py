@@ -36,7 +36,7 @@ from client_agent.ledger import TRUST_MODES as LEDGER_TRUST_MODES
 from client_agent.ledger import Ledger, LedgerConfig, LedgerError
 from protocol import messages as wire
 from protocol import secagg as sa
-from protocol.filters import FilterState, charge, clip_scales, partial_clip
+from protocol.filters import FilterState, charge, clip_scales, partial_clip, remaining
 from protocol.realisation import RealisationState, advance, decide, realised_loss
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
@@ -321,9 +321,10 @@ class Agent:
     ) -> tuple[wire.ContributionReply | wire.MaskedInputReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
         """Clip, price, noise: the reply, the new filter state and the release record.
 
-        In secagg trust (``masked``) each unit's clip leaves room for the fixed-point rounding
-        slack sqrt(d) / 2^k, and its charge includes it (protocol.secagg.rounding_slack): the
-        charge is ||v|| + slack against the total noise sigma, which every sum of >= m inputs carries.
+        In secagg trust (``masked``) a unit's charge includes the fixed-point rounding slack
+        sqrt(d) / 2^k (protocol.secagg.rounding_slack): it pays (||v|| + slack)^2 / sigma^2 against
+        the total noise sigma, which every sum of >= m inputs carries. Its clip is
+        min(C, sigma sqrt(T - S) - slack), so that the last, partial round still fits the remainder.
         """
         sigma, clip = request.noise_std, request.l2_clip
         slack = 0.0 if masked is None else sa.rounding_slack(rows.shape[1], masked.scale_bits)
@@ -338,7 +339,8 @@ class Agent:
             fstate = FilterState(spent=state["spent"], stopped=state["stopped"])
             bounds = partial_clip(self.gaussian, fstate, noise_std=sigma, l2_clip=clip)
             if slack:
-                bounds = np.maximum(bounds - slack, 0.0)
+                room = sigma * np.sqrt(remaining(self.gaussian, fstate)) - slack
+                bounds = np.minimum(bounds, np.maximum(room, 0.0))
             scales = clip_scales(norms, bounds, dtype_eps=FLOAT32_EPS).astype(np.float32)
             clipped = rows * scales[:, None]
             clipped_norms = np.linalg.norm(clipped.astype(np.float64), axis=1)

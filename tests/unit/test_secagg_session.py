@@ -444,3 +444,51 @@ def test_wire_refuses_malformed_secagg_fields() -> None:
         wire.MaskedInputReply.decode(*reply, size=5)
     with pytest.raises(wire.ProtocolError, match=r"array 'masked' must be uint64\[4\], got int64\(4,\)"):
         wire.MaskedInputReply.decode(reply[0], {"masked": np.zeros(4, np.int64)}, size=4)
+
+
+def test_private_plateau_count_runs_as_its_own_session(tmp_path: Path, no_noise: None) -> None:
+    # The plateau test's count of correctly classified records is a third release per round; under
+    # secagg it is a session of its own, and with the noise patched to zero it is the exact count / n.
+    group = agents(tmp_path, 3, unit="record")
+    cfg = CoordinatorConfig(
+        num_nodes=3,
+        n_public=30,
+        rounds=2,
+        noise_std=2.0,
+        l2_clip=1.0,
+        trust="secagg",
+        unit="record",
+        model="logreg",
+        model_args=json.dumps({"in_features": 3, "n_classes": 2}),
+        run_id="plateau",
+        plateau_every=1,
+        plateau_patience=5,
+        progress=False,
+    )
+    transport = AgentTransport(group)
+    summary = run(transport, cfg)
+    purposes = {
+        c["request_id"].split(":")[1] for kind, p in transport.sent if kind == wire.SECAGG_KEYS for c, _ in p.values()
+    }
+    assert purposes == {"gradient", "plateau"}
+    for log in summary["rounds"]:
+        accuracy = log["metrics"]["train_accuracy_private"]
+        assert accuracy * 30 == pytest.approx(round(accuracy * 30), abs=1e-9) and 0 <= accuracy <= 1
+        assert not log["errors"]
+
+
+def test_the_last_partial_round_spends_the_remainder_including_the_slack(tmp_path: Path) -> None:
+    # Client units, counts of about 5 at C = 100 and sigma = 10: mu^2 ~ 0.25 a round against the GDP
+    # threshold T = 0.517 at (3, 1e-5). Round 3 is partial (clip sigma sqrt(T - S) - slack), after which
+    # every client with a positive count is stopped, having spent T up to the exhaustion margin.
+    group = agents(tmp_path, 3, epsilon=3.0)
+    threshold = next(iter(group.values())).gaussian.threshold  # type: ignore[union-attr]
+    for rnd in range(1, 5):
+        assert session(AgentTransport(group), 2, rnd=rnd).total is not None
+        for agent in group.values():
+            assert agent.ledger.state()["spent"][0] <= threshold
+    for agent in group.values():
+        state = agent.ledger.state()
+        if label_count(agent) > 0:
+            assert state["stopped"][0] and state["spent"][0] >= threshold * (1 - 1e-4)
+        assert verify_ledger(agent.config.ledger_path) == []
