@@ -7,6 +7,7 @@ Subcommands:
   certs    CA and TLS server certificate for the coordinator's SuperLink (simulations.deploy)
   keys     a SuperNode key pair for node authentication
   agent    check a client agent's configuration file; write demo agents
+  reproduce long paper reproductions (FZ Sec. 5.1 on MNIST; simulations.fz_mnist)
 """
 
 from __future__ import annotations
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     from simulations.deploy import add_commands as _add_deploy
 
     _add_deploy(sub)
+    from simulations.fz_mnist import add_commands as _add_reproduce
+
+    _add_reproduce(sub)
     return parser
 
 
