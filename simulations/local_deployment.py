@@ -263,11 +263,12 @@ class LocalDeployment:
             except subprocess.TimeoutExpired:
                 pass
         self.signal(service, signal.SIGKILL)
-        for pid in pids:  # children the service left behind (already reparented)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for pid in pids:  # children the service left behind (already reparented), if still the same process
+            if pid_alive(pid, self.pids_seen.get(pid)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         try:
             service.proc.wait(timeout=30)
         except subprocess.TimeoutExpired as exc:
@@ -275,9 +276,15 @@ class LocalDeployment:
 
     def stop_all(self) -> None:
         """Stop every process this deployment started: agents and runs first, the SuperLink last."""
+        problems = []
         for service in sorted(self.services, key=lambda s: s is self.superlink):
-            self.stop(service, grace=5.0)
+            try:
+                self.stop(service, grace=5.0)
+            except (DeploymentError, OSError) as exc:
+                problems.append(f"{service.name}: {exc}")
         self.services.clear()
+        if problems:
+            raise DeploymentError("; ".join(problems))
 
     def survivors(self) -> list[int]:
         """Processes started here (or by them) that are still alive: none after :meth:`stop_all`."""
