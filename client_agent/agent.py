@@ -32,7 +32,6 @@ from numpy.typing import NDArray
 
 from client_agent import secagg_client
 from client_agent.config import AgentConfig
-from client_agent.ledger import TRUST_MODES as LEDGER_TRUST_MODES
 from client_agent.ledger import Ledger, LedgerConfig, LedgerError
 from protocol import messages as wire
 from protocol import secagg as sa
@@ -142,17 +141,12 @@ class Agent:
         initial["monitor_last"] = np.zeros(1, dtype=np.int64)
         initial["monitor_run"] = np.zeros(1, dtype=np.int64)  # the run that owns the SVT (0: none yet)
         params: dict[str, Any] = {"filter": described, "monitor": config.monitor.describe(), "data_sha256": fingerprint}
-        ledger_trust = config.trust
-        if ledger_trust not in LEDGER_TRUST_MODES:
-            # The ledger's own field knows only local and central: a secagg ledger is fixed to 'central' plus
-            # params['trust'], so that neither a local nor a central agent can ever open it.
-            params["trust"], ledger_trust = config.trust, "central"
         self.ledger_config = LedgerConfig(
             filter=config.filter,
             epsilon=config.epsilon,
             delta=config.delta,
             unit=config.unit,
-            trust=ledger_trust,
+            trust=config.trust,
             n_units=self.n_units,
             params=params,
         )
@@ -205,7 +199,6 @@ class Agent:
         """
         ledger = json.loads(self.ledger_config.to_json())
         ledger["params"] = {k: v for k, v in ledger["params"].items() if k != "data_sha256"}
-        ledger["trust"] = self.config.trust
         return json.dumps({"ledger": ledger, "policy": self.config.policy.describe()}, sort_keys=True)
 
     # -- policy -----------------------------------------------------------------------

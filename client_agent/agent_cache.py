@@ -63,7 +63,7 @@ def _key(node_config: Mapping[str, Any]) -> tuple[object, ...]:
 class AgentCache:
     """Agents kept open between requests; see the module docstring for when one is reused."""
 
-    def __init__(self, *, max_entries: int = 32) -> None:
+    def __init__(self, *, max_entries: int = 128) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_entries: expected an integer >= 1, got {max_entries!r}")
         self.max_entries = max_entries

@@ -46,7 +46,7 @@ SCHEMA_VERSION: Final = 1
 APPLICATION_ID: Final = 0x46464C47  # "FFLG": marks an SQLite file as a fedfilter ledger
 BUSY_TIMEOUT_MS: Final = 10_000
 UNITS: Final = ("client", "record")
-TRUST_MODES: Final = ("local", "central")
+TRUST_MODES: Final = ("local", "central", "secagg")
 
 _SQLITE_MAGIC: Final = b"SQLite format 3\x00"
 _SQLITE_HEADER_BYTES: Final = 100

@@ -48,7 +48,7 @@ def ledger_summary(path: Path) -> dict[str, Any]:
             "path": str(path),
             "filter": cfg.filter,
             "unit": cfg.unit,
-            "trust": cfg.params.get("trust", cfg.trust),  # a secagg ledger is stored as central + params["trust"]
+            "trust": cfg.trust,
             "epsilon": cfg.epsilon,
             "delta": cfg.delta,
             "units_total": int(cfg.n_units),

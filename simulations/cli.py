@@ -155,7 +155,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--delta", type=_number, help="target delta per unit")
     p.add_argument("--noise-std", type=_number, help="Gaussian noise std per round")
     p.add_argument("--clip", type=_number, help="L2 clip norm C")
-    p.add_argument("--trust", choices=["local", "central"])
+    p.add_argument("--trust", choices=["local", "central", "secagg"])
     p.add_argument("--unit", choices=["record", "client"])
     p.add_argument("--filter", choices=["gdp", "zcdp", "renyi", "renyi_multi"])
     p.add_argument("--seed", type=int, default=0, help="data, model and (simulation only) noise seed")

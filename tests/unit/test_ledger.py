@@ -119,7 +119,7 @@ class TestConfig:
             ("delta", 1.0, "LedgerConfig.delta: expected 0 < delta < 1, found 1.0"),
             ("delta", float("nan"), "LedgerConfig.delta: expected 0 < delta < 1, found nan"),
             ("unit", "person", "LedgerConfig.unit: expected one of ('client', 'record'), found 'person'"),
-            ("trust", "none", "LedgerConfig.trust: expected one of ('local', 'central'), found 'none'"),
+            ("trust", "none", "LedgerConfig.trust: expected one of ('local', 'central', 'secagg'), found 'none'"),
             ("n_units", 0, "LedgerConfig.n_units: expected an int >= 1, found 0"),
             ("n_units", 2.0, "LedgerConfig.n_units: expected an int >= 1, found 2.0"),
             ("params", {"x": float("nan")}, "LedgerConfig.params: expected JSON-able finite values"),
