@@ -236,6 +236,11 @@ def parse_agent_config(node_config: Mapping[str, Any]) -> AgentConfig:
             raise AgentConfigError(f"agent-config: no file at {path}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise AgentConfigError(f"agent-config: {path} is not valid TOML: {exc}") from exc
+        # A relative path in the file means relative to the file: the SuperNode runs the
+        # ClientApp in a folder of its own, where the owner's relative paths would mean nothing.
+        for key in ("data-path", "ledger-path"):
+            if isinstance(loaded.get(key), str) and not Path(loaded[key]).is_absolute():
+                loaded[key] = str(path.resolve().parent / loaded[key])
         raw = {**loaded, **raw}
     unknown = sorted(set(raw) - _KEYS - _FLOWER_KEYS)
     if unknown:

@@ -305,13 +305,7 @@ def check_agent_file(path: Path) -> dict[str, object]:
     from client_agent.config import parse_agent_config
     from client_agent.ledger_report import ledger_summary
 
-    cfg = parse_agent_config({"agent-config": str(path)})
-    for name, value in (("data-path", cfg.data_path), ("ledger-path", cfg.ledger_path)):
-        if not value.is_absolute():
-            raise DeployFileError(
-                f"{name}: expected an absolute path (the SuperNode runs the ClientApp in another folder), "
-                f"got {str(value)!r}"
-            )
+    cfg = parse_agent_config({"agent-config": str(path)})  # relative paths resolve against the file's folder
     if not cfg.data_path.is_file():
         raise DeployFileError(f"data-path: expected an .npz file with arrays x and y, found nothing at {cfg.data_path}")
     x, _, _ = load_client_data(cfg.data_path)

@@ -61,9 +61,24 @@ def test_check_agent_file(tmp_path: Path) -> None:
     described = check_agent_file(path)
     assert described["units"] == 5 and described["ledger"] == "created at the first request"
     assert not (tmp_path / "ledger.sqlite").exists()  # checking creates nothing
-    relative = write_agent_toml(tmp_path / "rel.toml", {**good, "data-path": "data.npz", "epsilon": 1.0, "delta": 0.1})
-    with pytest.raises(DeployFileError, match="data-path: expected an absolute path"):
-        check_agent_file(relative)
+    # Relative paths in the file resolve against the file's folder, wherever the SuperNode runs.
+    (tmp_path / "sub").mkdir()
+    relative = write_agent_toml(
+        tmp_path / "sub" / "rel.toml",
+        {"ledger-path": "ledger.sqlite", "data-path": "../data.npz", "epsilon": 1.0, "delta": 0.1},
+    )
+    assert check_agent_file(relative)["records"] == 5
+    from client_agent.config import parse_agent_config
+
+    cfg = parse_agent_config({"agent-config": str(relative)})
+    assert cfg.data_path.resolve() == (tmp_path / "data.npz").resolve()
+    assert cfg.ledger_path == (tmp_path / "sub").resolve() / "ledger.sqlite"
+    gone = write_agent_toml(
+        tmp_path / "sub" / "gone.toml",
+        {"ledger-path": "l.sqlite", "data-path": "data.npz", "epsilon": 1.0, "delta": 0.1},
+    )
+    with pytest.raises(DeployFileError, match="found nothing at"):
+        check_agent_file(gone)  # resolved against sub/, where there is no data.npz
     missing = write_agent_toml(
         tmp_path / "miss.toml", {**good, "data-path": str(tmp_path / "no.npz"), "epsilon": 1.0, "delta": 0.1}
     )
