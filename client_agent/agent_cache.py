@@ -18,9 +18,11 @@ Privacy note: reuse never skips a check that protects a spend.
   its own last request. Anything else (a replaced, truncated or edited file, a commit by
   another process, new data) closes it and opens afresh, with every check of a first open.
 - An agent whose request ended in a ledger or internal error is closed, never reused.
+- When the node config names an agent TOML file, an edit to that file (a new policy) also
+  reopens the agent, so the edited policy holds from the next request.
 - Agents are per process and per thread (an SQLite connection is not shared across
   threads or forks), keyed by the node config, at most ``max_entries`` of them (least
-  recently used closed first).
+  recently used dropped first; closed by the thread that opened them).
 """
 
 from __future__ import annotations
@@ -46,13 +48,17 @@ def _mark(path: Path) -> FileMark:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _files(agent: Agent) -> tuple[Path, ...]:
+def _files(agent: Agent, node_config: Mapping[str, Any]) -> tuple[Path, ...]:
+    """The ledger, its WAL, the data file and (when the node config names one) the agent's TOML file."""
     ledger = Path(agent.config.ledger_path)
-    return (ledger, ledger.with_name(ledger.name + "-wal"), Path(agent.config.data_path))
+    files = [ledger, ledger.with_name(ledger.name + "-wal"), Path(agent.config.data_path)]
+    if "agent-config" in node_config:  # an edited policy must take effect at the next request
+        files.append(Path(str(node_config["agent-config"])))
+    return tuple(files)
 
 
-def _marks(agent: Agent) -> tuple[FileMark, ...]:
-    return tuple(_mark(p) for p in _files(agent))
+def _marks(agent: Agent, node_config: Mapping[str, Any]) -> tuple[FileMark, ...]:
+    return tuple(_mark(p) for p in _files(agent, node_config))
 
 
 def _key(node_config: Mapping[str, Any]) -> tuple[object, ...]:
@@ -67,7 +73,9 @@ class AgentCache:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_entries: expected an integer >= 1, got {max_entries!r}")
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[object, ...], tuple[Agent, tuple[FileMark, ...]]] = OrderedDict()
+        self._entries: OrderedDict[tuple[object, ...], tuple[Agent, tuple[FileMark, ...], threading.Thread]] = (
+            OrderedDict()
+        )
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -82,10 +90,11 @@ class AgentCache:
         with self._lock:
             entry = self._entries.pop(key, None)
         if entry is not None:
-            agent, marks = entry
-            if _marks(agent) == marks:
+            agent, marks, owner = entry
+            if _marks(agent, node_config) == marks and owner is threading.current_thread():
                 return agent
-            agent.close()  # something outside this agent touched its files: open with every check
+            if owner is threading.current_thread():
+                agent.close()  # something outside this agent touched its files: open with every check
         return Agent(parse_agent_config(node_config))
 
     def checkin(self, node_config: Mapping[str, Any], agent: Agent, *, reusable: bool) -> None:
@@ -94,21 +103,27 @@ class AgentCache:
             agent.close()
             return
         key = _key(node_config)
-        evicted: list[Agent] = []
+        here = threading.current_thread()
+        evicted: list[tuple[Agent, tuple[FileMark, ...], threading.Thread]] = []
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None and old[0] is not agent:
-                evicted.append(old[0])
-            self._entries[key] = (agent, _marks(agent))
+                evicted.append(old)
+            self._entries[key] = (agent, _marks(agent, node_config), here)
             while len(self._entries) > self.max_entries:
-                evicted.append(self._entries.popitem(last=False)[1][0])
-        for a in evicted:
-            a.close()
+                evicted.append(self._entries.popitem(last=False)[1])
+        for a, _, owner in evicted:
+            # An SQLite connection may only be closed by the thread that opened it; another
+            # thread's agent is dropped and its connection closed when it is collected.
+            if owner is here:
+                a.close()
 
     def clear(self) -> None:
         """Close every kept agent (their ledgers checkpoint on close)."""
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()
-        for agent, _ in entries:
-            agent.close()
+        here = threading.current_thread()
+        for agent, _, owner in entries:
+            if owner is here:
+                agent.close()

@@ -565,6 +565,9 @@ def _create(path: Path, config: LedgerConfig, state: Arrays) -> None:
         "created_at": datetime.now(UTC).isoformat(timespec="microseconds"),
     }
     try:
+        # Owner-only from the first byte (SQLite gives its WAL the same mode): the ledger holds
+        # every unit's spend and, in secagg trust, the session secrets.
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         conn = sqlite3.connect(tmp, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
         try:
             _set_durable_pragmas(tmp, conn)

@@ -234,6 +234,15 @@ def _secagg_settings(
                 f"reserve the same tree of >= {tree_levels(cfg.rounds)} levels; found levels {sorted(map(str, found))}"
             )
         levels = int(next(iter(found)))
+        # Each client adds N(0, sigma_m^2 / m) to the masked tree; a node of the sum carries the
+        # average of the clients' sigma_m^2. A client that reserved L / sigma_m^2 for a larger
+        # sigma_m than the others' would pay more than it reserved: all must reserve the same.
+        sigmas = {s["ledger"]["params"]["monitor"].get("noise_std") for s in statuses.values()}
+        if len(sigmas) != 1:
+            raise EnrolmentError(
+                "the clients did not accept this run: secagg sums the tree monitor's node noise, so every client "
+                f"must reserve the same node noise std sigma_m; found {sorted(map(str, sigmas))}"
+            )
     return SecaggSettings(
         min_clients=m,
         scale_bits=cfg.secagg_scale_bits,

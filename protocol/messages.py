@@ -292,9 +292,17 @@ _SECAGG_INPUT_ARRAYS = {"secagg_peers", "secagg_ciphertexts"}
 _SECAGG_TRUST = ("secagg",)
 
 
+def _id(config: Mapping[str, Any], key: str, kind: str) -> str:
+    """A request or session id: '|' is reserved (the client stores secagg steps as '<session>|<step>')."""
+    value = _str(config, key, kind)
+    if "|" in value:
+        raise ProtocolError(f"{kind}: {key!r} must not contain '|' (reserved), got {value!r}")
+    return value
+
+
 def _base(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     return {
-        "request_id": _str(config, "request_id", kind),
+        "request_id": _id(config, "request_id", kind),
         "run_id": _str(config, "run_id", kind),
         "round": _int(config, "round", kind, minimum=0),
     }
@@ -387,7 +395,7 @@ def _secagg_input(config: Mapping[str, Any], arrays: Mapping[str, Any], kind: st
         raise ProtocolError(f"{kind}: 'secagg_value_bound' must be <= 2^63 - 1, got {bound}")
     peers = _index_list(arrays, "secagg_peers", kind)
     return SecaggInput(
-        session=_str(config, "secagg_session", kind),
+        session=_id(config, "secagg_session", kind),
         scale_bits=scale_bits,
         value_bound=bound,
         peers=peers,
@@ -402,7 +410,7 @@ def _decode_secagg_step(message_type: str, config: Mapping[str, Any], arrays: Ma
         return SecaggKeysRequest(**_base(config, kind), trust=_str(config, "trust", kind, choices=_SECAGG_TRUST))
     common: dict[str, Any] = {
         "trust": _str(config, "trust", kind, choices=_SECAGG_TRUST),
-        "session": _str(config, "session", kind),
+        "session": _id(config, "session", kind),
     }
     if message_type == SECAGG_SHARES:
         _no_extra(

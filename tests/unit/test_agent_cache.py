@@ -163,3 +163,37 @@ def test_least_recently_used_agents_are_closed(tmp_path: Path) -> None:
 def test_bad_cache_size() -> None:
     with pytest.raises(ValueError, match="max_entries: expected an integer >= 1, got 0"):
         AgentCache(max_entries=0)
+
+
+def test_edited_agent_file_policy_holds_from_the_next_request(tmp_path: Path, cache: AgentCache) -> None:
+    flat = node_config(tmp_path)
+    toml = tmp_path / "agent.toml"
+    lines = [f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}" for k, v in flat.items()]
+    toml.write_text("\n".join(lines) + "\npolicy-min-noise-std = 1.0\n")
+    cfg = {"agent-config": str(toml)}
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
+    toml.write_text("\n".join(lines) + "\npolicy-min-noise-std = 10.0\n")  # the owner tightens the policy
+    outcome = answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache)
+    assert outcome.error_code == wire.ERR_POLICY
+    assert "noise_std 4.0 asked; the policy requires noise_std >= 10.0" in outcome.error_reason
+
+
+def test_another_threads_agent_is_never_used_or_closed_here(tmp_path: Path, cache: AgentCache) -> None:
+    import threading
+
+    cfg = node_config(tmp_path)
+    errors: list[BaseException] = []
+
+    def answer_in_thread() -> None:
+        try:
+            assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    worker = threading.Thread(target=answer_in_thread)
+    worker.start()
+    worker.join()
+    assert not errors and len(cache) == 1
+    # This thread gets its own agent (SQLite connections are per thread), and the dead thread's is not closed here.
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache).is_error
+    cache.clear()

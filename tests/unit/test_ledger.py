@@ -595,3 +595,19 @@ class TestDurabilityAndConcurrency:
             assert ledger.requests_answered() == 32
             assert ledger.requests_in_run("a") == ledger.requests_in_run("b") == 15
             np.testing.assert_allclose(ledger.state()["spent"], np.full(N_UNITS, 0.2 + 30 * 0.01))
+
+
+def test_new_ledger_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """The ledger holds every unit's spend (and secagg session secrets): mode 0600 whatever the umask."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "owner.sqlite"
+        cfg = LedgerConfig(filter="gdp", epsilon=1.0, delta=1e-5, unit="record", trust="local", n_units=2, params={})
+        with Ledger.open(path, cfg, initial_state={"spent": np.zeros(2)}) as ledger:
+            assert ledger.requests_answered() == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600

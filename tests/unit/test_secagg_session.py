@@ -492,3 +492,46 @@ def test_the_last_partial_round_spends_the_remainder_including_the_slack(tmp_pat
         if label_count(agent) > 0:
             assert state["stopped"][0] and state["spent"][0] >= threshold * (1 - 1e-4)
         assert verify_ledger(agent.config.ledger_path) == []
+
+
+def test_enrolment_refuses_clients_with_different_tree_noise(tmp_path: Path) -> None:
+    """Node noise sigma_m^2 / m per client sums to the mean sigma_m^2: a larger reservation would be under-covered."""
+    tree = {"unit": "record", "epsilon": 2.0, "monitor": "tree", "monitor-max-rounds": 8}
+    group = {
+        1000 + i: Agent(parse_agent_config(node_config(tmp_path, i, **tree, **{"monitor-noise-std": s})))
+        for i, s in enumerate((16.0, 8.0, 8.0))
+    }
+    cfg = CoordinatorConfig(
+        num_nodes=3,
+        n_public=30,
+        rounds=8,
+        noise_std=2.0,
+        l2_clip=1.0,
+        trust="secagg",
+        unit="record",
+        model="logreg",
+        model_args=json.dumps({"in_features": 3, "n_classes": 2}),
+        monitor="tree",
+        monitor_threshold=1,
+        progress=False,
+        secagg_min_clients=3,
+    )
+    try:
+        with pytest.raises(EnrolmentError, match="must reserve the same node noise std sigma_m; found"):
+            run(AgentTransport(group), cfg)
+        assert all(a.ledger.requests_answered() == 0 for a in group.values())  # nothing but status was asked
+    finally:
+        for a in group.values():
+            a.close()
+
+
+@pytest.mark.parametrize("field", ["request_id", "session"])
+def test_ids_with_the_reserved_separator_are_refused(field: str) -> None:
+    """A request id 'S|masked' would collide with where the client stores session S's masked input."""
+    if field == "request_id":  # the keys step's id names its session
+        mtype, config = wire.SECAGG_KEYS, {"request_id": "S|masked", "run_id": "run", "round": 1, "trust": "secagg"}
+    else:
+        mtype = wire.SECAGG_SHARES
+        config = {"request_id": "r1", "run_id": "run", "round": 1, "trust": "secagg", "session": "S|masked"}
+    with pytest.raises(wire.ProtocolError, match=rf"'{field}' must not contain '\|' \(reserved\)"):
+        wire.decode_request(mtype, config, {})
