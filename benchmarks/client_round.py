@@ -89,11 +89,16 @@ def measure(records: int, repeats: int) -> None:
             parameters=params,
         )
         outcome = answer_request(
-            node_config, wire.GRADIENT, *wire.encode_request(request), cache=cache if kept_open else None
+            # Separate ledgers: a cold open and close of the kept agent's ledger would (rightly) force it to reopen.
+            node_config | {"ledger-path": str(root / ("kept.sqlite" if kept_open else "cold.sqlite"))},
+            wire.GRADIENT,
+            *wire.encode_request(request),
+            cache=cache if kept_open else None,
         )
         assert not outcome.is_error, outcome.error_reason
 
-    full()  # creates the ledger
+    full(True)  # creates the ledgers
+    full(False)
     baseline()
     times: dict[str, list[float]] = {"baseline": [], "kept open": [], "cold": []}
     runs = {"baseline": baseline, "kept open": lambda: full(True), "cold": lambda: full(False)}
@@ -103,7 +108,7 @@ def measure(records: int, repeats: int) -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     cache.clear()
-    size_mb = (root / "ledger.sqlite").stat().st_size / 1e6
+    size_mb = (root / "kept.sqlite").stat().st_size / 1e6
     print(f"model: mlp 784-128-10, {params.size:,} parameters; {records} records; client units; local trust")
     print(f"repeats: {repeats} (interleaved); torch threads: 2; ledger {size_mb:.1f} MB at the end")
     b = statistics.median(times["baseline"])
