@@ -44,6 +44,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1, help="runs one after the other against the same agents")
     parser.add_argument("--noise-std", type=float, default=3.0)
     parser.add_argument("--epsilon", type=float, default=2.0)
+    parser.add_argument("--trust", choices=["local", "central", "secagg"], default="local")
     parser.add_argument("--keep-running", action="store_true", help="leave the services up until Ctrl-C")
     args = parser.parse_args()
     root = (args.workdir or Path(tempfile.mkdtemp(prefix="fedfilter-deploy-"))).resolve()
@@ -52,7 +53,12 @@ def main() -> int:
     with LocalDeployment(root, echo=print) as dep:
         print(f"# agent configurations and demo data: {root / 'clients'}")
         tomls = write_agent_files(
-            root / "clients", demo_parts(args.agents, records=RECORDS), epsilon=args.epsilon, delta=1e-5, unit="record"
+            root / "clients",
+            demo_parts(args.agents, records=RECORDS),
+            epsilon=args.epsilon,
+            delta=1e-5,
+            unit="record",
+            trust=args.trust,
         )
         print(f"# fedfilter certs --out {root / 'certs'}")
         dep.start_superlink()
@@ -76,7 +82,7 @@ def main() -> int:
                     "l2-clip": 1.0,
                     "learning-rate": 0.5,
                     "unit": "record",
-                    "trust": "local",
+                    "trust": args.trust,
                     "model-args": json.dumps({"in_features": 4, "n_classes": 2}),
                     "run-id": run_id,
                 },
