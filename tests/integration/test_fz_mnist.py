@@ -1,4 +1,4 @@
-"""FZ Sec. 5.1 / Fig. 1 reproduction (simulations/fz_mnist.py): the cells' rules, a small trial, the full run on request."""
+"""FZ Sec. 5.1 / Fig. 1 reproduction (simulations/fz_mnist.py): cell rules, a small trial, the full run on request."""
 
 from __future__ import annotations
 
