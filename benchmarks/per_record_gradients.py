@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import gzip
 import os
 import statistics
 import time
@@ -30,30 +29,17 @@ from torch.nn import functional as F
 
 from client_agent.gradients import per_example_gradients, summed_gradient
 from protocol.models import build_model, parameter_count
+from simulations.data import default_data_dir, load_idx_dataset, normalise_images
 
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mnist"
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # the normalisation of Opacus's examples/mnist.py
+DEFAULT_DATA_DIR = default_data_dir()
 LOSS = functools.partial(F.cross_entropy, reduction="none")
 
 
-def read_idx(path: Path, magic: int) -> np.ndarray:
-    """Read one gzipped IDX file (2051: images (n, rows, cols) uint8; 2049: labels (n,) uint8)."""
-    with gzip.open(path, "rb") as f:
-        raw = f.read()
-    found = int.from_bytes(raw[:4], "big")
-    if found != magic:
-        raise ValueError(f"{path}: expected IDX magic {magic}, got {found}")
-    ndim = raw[3]
-    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
-    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
-
-
 def load_mnist(data_dir: Path, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``n`` training records, normalised, as (n, 1, 28, 28) float32 images and int64 labels."""
-    images = read_idx(data_dir / "train-images-idx3-ubyte.gz", 2051)[:n]
-    labels = read_idx(data_dir / "train-labels-idx1-ubyte.gz", 2049)[:n]
-    x = (torch.from_numpy(images.astype(np.float32) / 255.0) - MNIST_MEAN) / MNIST_STD
-    return x.unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
+    """The first ``n`` training records (checksums verified), normalised as Opacus's example does."""
+    images, labels = load_idx_dataset("mnist", data_dir, split="train")
+    x = torch.from_numpy(normalise_images(images[:n], dataset="mnist"))
+    return x, torch.from_numpy(labels[:n].astype(np.int64))
 
 
 def elapsed(fn: Callable[[], object]) -> float:
@@ -87,7 +73,7 @@ def opacus_gradients(gsm: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk_siz
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="folder with the MNIST IDX .gz files")
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="folder holding mnist/")
     parser.add_argument("--records", type=int, default=6000)
     parser.add_argument("--loop-records", type=int, default=300, help="subset timed for the Python loop")
     parser.add_argument("--chunk-size", type=int, default=1024, help="records per vmap / Opacus batch")

@@ -147,7 +147,7 @@ def throughput(records: int) -> None:
     from client_agent.gradients import per_example_gradients
     from simulations.data import default_data_dir
 
-    x, y = prg.load_mnist(default_data_dir() / "mnist", records)
+    x, y = prg.load_mnist(default_data_dir(), records)
     model = build_model("opacus_mnist_cnn")
     per_example_gradients(model, prg.LOSS, x[:256], y[:256])  # warm-up
     t_func = min(prg.elapsed(lambda: per_example_gradients(model, prg.LOSS, x, y)) for _ in range(2))

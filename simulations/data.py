@@ -507,3 +507,27 @@ def sparse_indicator_data(
     for row, count in enumerate(counts):
         data[row, rng.choice(k_queries, size=int(count), replace=False)] = 1
     return data
+
+
+def mnist_silos(
+    clients: int,
+    *,
+    seed: int,
+    data_dir: Path | None = None,
+    download: bool = False,
+    train_limit: int | None = None,
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray]:
+    """MNIST split iid over ``clients`` silos: ``(parts, test_x, test_y)``, images normalised to (n, 1, 28, 28).
+
+    ``train_limit`` keeps that many training records, drawn with ``seed`` (small test versions).
+    """
+    data_dir = data_dir or default_data_dir()
+    train_x, train_y = load_idx_dataset("mnist", data_dir, split="train", download=download)
+    test_x, test_y = load_idx_dataset("mnist", data_dir, split="test", download=download)
+    if train_limit is not None:
+        limit = _int_at_least("train_limit", train_limit, 1)
+        keep = np.sort(np.random.default_rng(seed).permutation(len(train_x))[:limit])
+        train_x, train_y = train_x[keep], train_y[keep]
+    train_x = normalise_images(train_x, dataset="mnist")
+    parts = [(train_x[idx], train_y[idx]) for idx in partition_iid(len(train_x), clients, seed=seed)]
+    return parts, normalise_images(test_x, dataset="mnist"), test_y

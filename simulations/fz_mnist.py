@@ -47,12 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import model_evaluator
 from protocol.filters import GaussianFilter
-from simulations.data import default_data_dir, load_idx_dataset, normalise_images, partition_iid
+from simulations.data import mnist_silos
 from simulations.federation import write_clients
 
 DELTA = 1e-5
@@ -184,15 +182,8 @@ def run_trial(
     ledgers = out / "ledgers"
     if ledgers.exists() and any(ledgers.iterdir()):
         raise ValueError(f"--out: {ledgers} already holds ledgers from an earlier trial; choose a new folder")
-    data_dir = data_dir or default_data_dir()
-    train_x, train_y = load_idx_dataset("mnist", data_dir, split="train")
-    test_x, test_y = load_idx_dataset("mnist", data_dir, split="test")
-    if train_limit is not None:
-        keep = np.random.default_rng(seed).permutation(len(train_x))[:train_limit]
-        train_x, train_y = train_x[np.sort(keep)], train_y[np.sort(keep)]
-    train_x = normalise_images(train_x, dataset="mnist")
-    test_x = normalise_images(test_x, dataset="mnist")
-    parts = [(train_x[idx], train_y[idx]) for idx in partition_iid(len(train_x), CLIENTS, seed=seed)]
+    parts, test_x, test_y = mnist_silos(CLIENTS, seed=seed, data_dir=data_dir, train_limit=train_limit)
+    n_train = sum(len(p[0]) for p in parts)
     per = write_clients(
         out / "clients",
         parts,
@@ -206,7 +197,7 @@ def run_trial(
     )
     cfg = CoordinatorConfig(
         num_nodes=CLIENTS,
-        n_public=len(train_x),
+        n_public=n_train,
         rounds=c.steps,
         noise_std=c.noise_std,
         l2_clip=c.clip,
@@ -239,7 +230,7 @@ def run_trial(
     return {
         **c.describe(),
         "seed": seed,
-        "train_records": len(train_x),
+        "train_records": n_train,
         "rounds_completed": summary["rounds_completed"],
         "final_accuracy": summary["final_metrics"].get("accuracy"),
         "accuracy_by_round": accuracy,

@@ -26,13 +26,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import model_evaluator
 from coordinator.rounds import Evaluate
 from protocol.filters import GaussianFilter
-from simulations.data import (
-    default_data_dir,
-    load_idx_dataset,
-    normalise_images,
-    partition_iid,
-    synthetic_classification,
-)
+from simulations.data import mnist_silos, synthetic_classification
 from simulations.federation import write_clients
 from simulations.reproductions import filters_compare, realisation_survival
 from simulations.scenarios import sparse_counting
@@ -181,12 +175,8 @@ def sparse_queries(opts: Options, out: Path) -> Plan:
 def mnist_gd(opts: Options, out: Path) -> Plan:
     """The CNN of Opacus's MNIST example on MNIST: record units, central trust, 10 silos (full-batch GD)."""
     clients = _pick(opts.clients, 10)
-    data_dir = Path(opts.data_dir) if opts.data_dir else default_data_dir()
-    train_x, train_y = load_idx_dataset("mnist", data_dir, split="train", download=opts.download)
-    test_x, test_y = load_idx_dataset("mnist", data_dir, split="test", download=opts.download)
-    train_x = normalise_images(train_x, dataset="mnist")  # (n, 1, 28, 28)
-    test_x = normalise_images(test_x, dataset="mnist")
-    parts = [(train_x[idx], train_y[idx]) for idx in partition_iid(len(train_x), clients, seed=opts.seed)]
+    data_dir = Path(opts.data_dir) if opts.data_dir else None
+    parts, test_x, test_y = mnist_silos(clients, seed=opts.seed, data_dir=data_dir, download=opts.download)
     eps, delta = _pick(opts.epsilon, 1.0), _pick(opts.delta, 1e-5)
     sigma, clip = _pick(opts.noise_std, 400.0), _pick(opts.clip, 1.0)
     per = _clients(
@@ -201,7 +191,7 @@ def mnist_gd(opts: Options, out: Path) -> Plan:
     )
     cfg = CoordinatorConfig(
         num_nodes=clients,
-        n_public=len(train_x),
+        n_public=sum(len(p[0]) for p in parts),
         rounds=_pick(opts.rounds, 60),
         noise_std=sigma,
         l2_clip=clip,

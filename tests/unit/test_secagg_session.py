@@ -86,6 +86,23 @@ def agents(tmp_path: Path, n: int, **over: Any) -> dict[int, Agent]:
     return {1000 + i: Agent(parse_agent_config(node_config(tmp_path, i, **over))) for i in range(n)}
 
 
+def gradient_config(nodes: int, **over: Any) -> CoordinatorConfig:
+    """A secagg gradient run on the agents' 3-feature logistic regression, 10 records per client."""
+    base: dict[str, Any] = dict(
+        num_nodes=nodes,
+        n_public=10 * nodes,
+        rounds=2,
+        noise_std=2.0,
+        l2_clip=1.0,
+        trust="secagg",
+        unit="record",
+        model="logreg",
+        model_args=json.dumps({"in_features": 3, "n_classes": 2}),
+        progress=False,
+    )
+    return CoordinatorConfig(**(base | over))
+
+
 def label_count(agent: Agent) -> float:
     return float(np.sum(agent.y == 1))
 
@@ -349,22 +366,8 @@ def test_tree_monitor_under_secagg_counts_exactly_without_noise(tmp_path: Path, 
         "monitor-max-rounds": 8,
     }
     group = agents(tmp_path, 4, **over)
-    cfg = CoordinatorConfig(
-        num_nodes=4,
-        n_public=40,
-        rounds=8,
-        noise_std=2.0,
-        l2_clip=1.0,
-        learning_rate=0.5,
-        trust="secagg",
-        unit="record",
-        model="logreg",
-        model_args=json.dumps({"in_features": 3, "n_classes": 2}),
-        run_id="tree",
-        monitor="tree",
-        monitor_threshold=1,
-        progress=False,
-        secagg_min_clients=3,
+    cfg = gradient_config(
+        4, rounds=8, learning_rate=0.5, run_id="tree", monitor="tree", monitor_threshold=1, secagg_min_clients=3
     )
     summary = run(AgentTransport(group), cfg)
     halts = np.concatenate([a.ledger.state()["halt_round"] for a in group.values()])
@@ -450,21 +453,7 @@ def test_private_plateau_count_runs_as_its_own_session(tmp_path: Path, no_noise:
     # The plateau test's count of correctly classified records is a third release per round; under
     # secagg it is a session of its own, and with the noise patched to zero it is the exact count / n.
     group = agents(tmp_path, 3, unit="record")
-    cfg = CoordinatorConfig(
-        num_nodes=3,
-        n_public=30,
-        rounds=2,
-        noise_std=2.0,
-        l2_clip=1.0,
-        trust="secagg",
-        unit="record",
-        model="logreg",
-        model_args=json.dumps({"in_features": 3, "n_classes": 2}),
-        run_id="plateau",
-        plateau_every=1,
-        plateau_patience=5,
-        progress=False,
-    )
+    cfg = gradient_config(3, run_id="plateau", plateau_every=1, plateau_patience=5)
     transport = AgentTransport(group)
     summary = run(transport, cfg)
     purposes = {
@@ -501,21 +490,7 @@ def test_enrolment_refuses_clients_with_different_tree_noise(tmp_path: Path) -> 
         1000 + i: Agent(parse_agent_config(node_config(tmp_path, i, **tree, **{"monitor-noise-std": s})))
         for i, s in enumerate((16.0, 8.0, 8.0))
     }
-    cfg = CoordinatorConfig(
-        num_nodes=3,
-        n_public=30,
-        rounds=8,
-        noise_std=2.0,
-        l2_clip=1.0,
-        trust="secagg",
-        unit="record",
-        model="logreg",
-        model_args=json.dumps({"in_features": 3, "n_classes": 2}),
-        monitor="tree",
-        monitor_threshold=1,
-        progress=False,
-        secagg_min_clients=3,
-    )
+    cfg = gradient_config(3, rounds=8, monitor="tree", monitor_threshold=1, secagg_min_clients=3)
     try:
         with pytest.raises(EnrolmentError, match="must reserve the same node noise std sigma_m; found"):
             run(AgentTransport(group), cfg)
