@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import zipfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,11 +87,19 @@ def unpack_reply(blob: bytes) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
 
 def load_client_data(path: os.PathLike[str] | str) -> tuple[NDArray[Any], NDArray[Any], str]:
     """The client's records: ``x`` and ``y`` arrays from an .npz file, and the file's SHA-256."""
-    raw = open(path, "rb").read()
-    with np.load(io.BytesIO(raw), allow_pickle=False) as data:
-        if "x" not in data.files or "y" not in data.files:
-            raise ValueError(f"data {path}: expected arrays 'x' and 'y' in the .npz file, found {data.files}")
-        x, y = data["x"], data["y"]
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as data:
+            if "x" not in data.files or "y" not in data.files:
+                raise ValueError(f"data {path}: expected arrays 'x' and 'y' in the .npz file, found {data.files}")
+            x, y = data["x"], data["y"]
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise ValueError(f"data {path}: expected an .npz file with arrays 'x' and 'y', found: {exc}") from exc
+    if x.ndim < 1 or y.ndim != 1:
+        raise ValueError(f"data {path}: expected x with a record axis and y of shape (n,), got {x.shape} and {y.shape}")
+    if not (np.issubdtype(x.dtype, np.number) and np.issubdtype(y.dtype, np.integer)):
+        raise ValueError(f"data {path}: expected numeric x and integer labels y, got {x.dtype} and {y.dtype}")
     if len(x) != len(y) or len(x) == 0:
         raise ValueError(f"data {path}: expected as many labels as records (> 0), got {len(x)} and {len(y)}")
     return x, y, hashlib.sha256(raw).hexdigest()

@@ -42,14 +42,29 @@ def _loaded_model(kind: str, name: str, model_args: str, parameters: NDArray[np.
 
 
 def gradient_rows(request: wire.GradientRequest, x: NDArray[Any], y: NDArray[Any], *, unit: str) -> NDArray[np.float32]:
-    """Per-unit gradients of the cross-entropy loss at the request's parameters."""
+    """Per-unit gradients of the cross-entropy loss at the request's parameters.
+
+    Privacy note: a record the request's model cannot take (a feature that is not finite, or a
+    label outside the model's classes, which the coordinator chooses) counts as the null element:
+    its row is zero and it pays nothing. Refusing the request instead would answer, uncharged, a
+    question about one record's value, e.g. "is some label >= k?" (privacy.md §1, §2).
+    """
     model = _loaded_model(wire.GRADIENT, request.model, request.model_args, request.parameters)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    yt = torch.from_numpy(np.ascontiguousarray(y).astype(np.int64))
+    labels = np.asarray(y)
+    with torch.no_grad():
+        classes = int(model(torch.zeros_like(xt[:1])).shape[-1])
+    usable = np.isfinite(xt.reshape(len(xt), -1).numpy()).all(axis=1) & (labels >= 0) & (labels < classes)
+    keep = torch.from_numpy(usable)
+    xt, yt = xt[keep], torch.from_numpy(labels[usable].astype(np.int64))
+    d = parameter_count(model)
     if unit == "record":
-        return per_example_gradients(model, _cross_entropy, xt, yt).numpy()
-    mean = summed_gradient(model, _cross_entropy, xt, yt) / len(xt)
-    return mean.reshape(1, -1).numpy().astype(np.float32)
+        rows = np.zeros((len(labels), d), dtype=np.float32)
+        if usable.any():
+            rows[usable] = per_example_gradients(model, _cross_entropy, xt, yt).numpy()
+        return rows
+    total = summed_gradient(model, _cross_entropy, xt, yt) if usable.any() else torch.zeros(d)
+    return (total / len(labels)).reshape(1, -1).numpy().astype(np.float32)
 
 
 def indicator_rows(

@@ -21,7 +21,8 @@ from simulations.federation import write_clients
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-pytest.importorskip("flwr.simulation")
+import flwr.simulation  # noqa: F401  (flwr[simulation] is pinned: a broken install must fail, not skip)
+
 from simulations.engine import run_flower
 
 pytestmark = pytest.mark.flower

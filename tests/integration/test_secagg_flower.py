@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import flwr.simulation  # noqa: F401  (flwr[simulation] is pinned: a broken install must fail, not skip)
 import numpy as np
 import pytest
 
@@ -21,11 +22,9 @@ from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import model_evaluator
 from coordinator.rounds import run
 from simulations.data import synthetic_classification
+from simulations.engine import run_flower
 from simulations.federation import write_clients
 from simulations.inprocess import InProcessTransport
-
-pytest.importorskip("flwr.simulation")
-from simulations.engine import run_flower
 
 pytestmark = pytest.mark.flower
 

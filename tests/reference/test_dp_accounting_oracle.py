@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import math
 
+import dp_accounting  # a pinned test dependency: a broken install must fail here, not skip the oracle
 import numpy as np
 import pytest
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
 
-dp_accounting = pytest.importorskip("dp_accounting")
-from dp_accounting.pld import pld_privacy_accountant  # noqa: E402
-from dp_accounting.rdp import rdp_privacy_accountant  # noqa: E402
-
-from protocol.conversions import gdp_delta, gdp_epsilon, rdp_epsilon, zcdp_epsilon  # noqa: E402
+from protocol.conversions import gdp_delta, gdp_epsilon, rdp_epsilon, zcdp_epsilon
 
 CASES = [(10.0, 44), (10.0, 51), (1.0, 1), (2.0, 48), (5.0, 200), (0.8, 10), (30.0, 1000)]
 FINE_ORDERS = list(np.concatenate([np.linspace(1.01, 10, 900), np.linspace(10.5, 512, 1004)]))
@@ -52,3 +51,16 @@ def test_gdp_matches_pld_accountant(sigma: float, rounds: int) -> None:
     mu = math.sqrt(rounds) / sigma
     assert gdp_epsilon(mu=mu, delta=1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3, abs=1e-4)
     assert gdp_delta(mu=mu, epsilon=1.0) == pytest.approx(acc.get_delta(1.0), rel=2e-3, abs=1e-9)
+
+
+def test_privacy_table_cross_check_values_come_from_dp_accounting() -> None:
+    """privacy.md §3 quotes eps(44 rounds, sigma=10) = 2.96797 (RDP) and eps(51 rounds) = 2.97646 (PLD), delta = 1e-5.
+
+    The RDP value needs a fine order grid (the accountant's default grid gives 2.96801).
+    """
+    rdp = rdp_privacy_accountant.RdpAccountant(orders=FINE_ORDERS)
+    rdp.compose(dp_accounting.GaussianDpEvent(noise_multiplier=10.0), count=44)
+    assert rdp.get_epsilon(1e-5) == pytest.approx(2.96797, abs=1e-5)
+    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    pld.compose(dp_accounting.GaussianDpEvent(noise_multiplier=10.0), count=51)
+    assert pld.get_epsilon(1e-5) == pytest.approx(2.97646, abs=1e-5)

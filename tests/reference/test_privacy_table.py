@@ -46,6 +46,8 @@ def test_filter_round_counts_match_table() -> None:
 
 def test_cross_check_epsilons_quoted_in_table() -> None:
     # zCDP of 44 rounds at sigma = 10 is rho = 44 / 200; GDP of 51 rounds is mu = sqrt(51) / 10.
+    # Values: privacy.md §3, from dp_accounting 0.6.0 (pinned against the library itself in
+    # tests/reference/test_dp_accounting_oracle.py::test_privacy_table_cross_check_values_come_from_dp_accounting).
     assert zcdp_epsilon(rho=44 / 200, delta=1e-5) == pytest.approx(2.96797, abs=1e-5)
     assert gdp_epsilon(mu=math.sqrt(51) / 10, delta=1e-5) == pytest.approx(2.97646, abs=1e-5)
 

@@ -20,10 +20,11 @@ MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
 N_PARAMS = 3 * 2 + 2
 
 
-def make_agent(tmp_path: Path, **overrides: Any) -> Agent:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(10, 3)).astype(np.float32)
-    np.savez(tmp_path / "data.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
+def make_agent(tmp_path: Path, data: tuple[np.ndarray, np.ndarray] | None = None, **overrides: Any) -> Agent:
+    if data is None:
+        x = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
+        data = (x, (x[:, 0] > 0).astype(np.int64))
+    np.savez(tmp_path / "data.npz", x=data[0], y=data[1])
     node_config = {
         "ledger-path": str(tmp_path / "ledger.sqlite"),
         "data-path": str(tmp_path / "data.npz"),
@@ -382,6 +383,8 @@ def test_realisation_filter_through_the_agent(tmp_path: Path) -> None:
     state = agent.ledger.state()
     assert int(state["answered"][0]) == 8
     assert not state["accepting"].any()  # N = 6 requests at most
+    taken = sum(rel["participating"].astype(int) for _, _, rel in agent.ledger.releases())
+    assert taken.max() <= 6  # no unit took part in more than N requests (TVC Alg. 1)
     released = [rel["participating"].sum() for _, _, rel in agent.ledger.releases()]
     assert max(released) > 0 and released[-1] == 0
     with_losses = sum(rel["losses"] for _, _, rel in agent.ledger.releases())
@@ -457,6 +460,28 @@ def test_overflowing_records_contribute_zero_instead_of_an_uncharged_error(tmp_p
     assert overflow.any() and not overflow.all()
     assert np.all(spent[overflow] == 0.0)  # the overflowing records paid nothing
     assert np.all(spent[~overflow] > 0.0)
+    assert agent.ledger.requests_answered() == 1
+
+
+@pytest.mark.parametrize("unit", ["record", "client"])
+def test_records_the_model_cannot_take_are_null_not_an_uncharged_error(tmp_path: Path, unit: str) -> None:
+    # The coordinator chooses the class count: a label >= n_classes (or a feature that is NaN) must
+    # not turn into an error that answers "does some record have label >= k?" for free.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(10, 3)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    y[3] = 5  # outside a 2-class model
+    x[7, 1] = np.nan
+    agent = make_agent(tmp_path, data=(x, y), unit=unit)
+    outcome = agent.handle(wire.GRADIENT, *gradient("odd", unit=unit))
+    assert not outcome.is_error, outcome.error_reason
+    assert np.all(np.isfinite(outcome.arrays["total"]))
+    spent = agent.ledger.state()["spent"]
+    if unit == "record":
+        assert spent[3] == 0.0 and spent[7] == 0.0  # the null element pays nothing
+        assert np.all(np.delete(spent, [3, 7]) > 0.0)
+    else:
+        assert spent[0] > 0.0
     assert agent.ledger.requests_answered() == 1
 
 

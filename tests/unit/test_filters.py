@@ -69,7 +69,7 @@ class TestFilterContract:
             result = charge(filt, state, noise_std=sigma, l2_norms=norms)
             assert bool(result.admitted[0]) == (norms[0] > 0)
             state = result.state
-        assert clips[: full - 1] == pytest.approx([clip] * (full - 1), rel=1e-12)
+        assert clips[:full] == pytest.approx([clip] * full, rel=1e-12)  # every full-norm round, the last included
         assert 0 < clips[full] < clip  # the partial round
         assert clips[full + 1 :] == [0.0] * 4  # then nothing
         assert state.stopped[0]

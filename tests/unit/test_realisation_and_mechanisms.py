@@ -106,9 +106,11 @@ class TestMechanismFilters:
         assert additive_allows(epsilons=[0.5, 0.5], deltas=[1e-6, 1e-6], epsilon=1.0, delta=2e-6)
         assert not additive_allows(epsilons=[0.5, 0.6], deltas=[0, 0], epsilon=1.0, delta=1e-6)
         assert not additive_allows(epsilons=[0.1], deltas=[2e-6], epsilon=1.0, delta=1e-6)
-        assert rounds_allowed(
-            lambda k: additive_allows(epsilons=[0.1] * k, deltas=[0] * k, epsilon=1.0, delta=1e-5)
-        ) in (9, 10)
+        # Basic composition (privacy.md §5): k rounds of 1/8 (exact in binary) fit epsilon = 1 iff k <= 8.
+        assert (
+            rounds_allowed(lambda k: additive_allows(epsilons=[0.125] * k, deltas=[0] * k, epsilon=1.0, delta=1e-5))
+            == 8
+        )
 
     def test_rruv_formula(self) -> None:
         # Direct transcription of FZ Sec. 4.3's statement of RRUV Thm 5.1, for 3 rounds of 0.1.
@@ -130,6 +132,7 @@ class TestMechanismFilters:
             assert fz == math.floor(2 * rho_budget(epsilon=1.0, delta=1e-5, conversion="bs") / eps_t**2 * (1 + 1e-12))
 
     def test_rdp_fixed_order(self) -> None:
+        # min(eps, alpha eps^2 / 2) (Mironov 2017 Prop. 3; BS Prop. 3.3): 2 * 0.01 / 2 = 0.01; min(3, 45) = 3.
         assert pure_dp_rdp(epsilon_round=0.1, order=2.0) == pytest.approx(0.01)
         assert pure_dp_rdp(epsilon_round=3.0, order=10.0) == 3.0
         k = rounds_allowed(lambda k: rdp_allows(rdps=[8 * 0.01 / 2] * k, order=8.0, epsilon=2.0, delta=1e-5))
@@ -140,7 +143,10 @@ class TestMechanismFilters:
         k = split_approx_rounds_allowed(
             lambda k: fz_dp_allows(epsilons=[0.01] * k, epsilon=1.0, delta=1e-5), delta_round=1e-7, delta_rounds=1e-5
         )
+        # The delta cap binds (privacy.md §5): sum delta_t <= 1e-5 with 1e-7 a round is 100 rounds,
+        # while FZ's filter alone would admit more at eps_t = 0.01.
         assert k == 100
+        assert rounds_allowed(lambda k: fz_dp_allows(epsilons=[0.01] * k, epsilon=1.0, delta=1e-5)) > 100
 
     def test_bad_history_is_error(self) -> None:
         with pytest.raises(PrivacyParameterError, match="epsilons"):

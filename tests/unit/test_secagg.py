@@ -105,9 +105,9 @@ def test_value_bound_keeps_the_sum_of_all_clients_in_range() -> None:
 def test_data_and_noise_bounds() -> None:
     # 100 units at clip 1, scale 2^20: at most 100 * 2^20 per coordinate, plus a relative 1e-6 and 2 steps.
     assert sa.data_bound(n_units=100, l2_clip=1.0, scale_bits=20) == int(np.ceil(100 * 2**20 * (1 + 1e-6))) + 2
-    assert sa.noise_bound(noise_std=0.5, scale_bits=4) == 40 * 8 + 1
-    assert sa.rounding_slack(10_000, 10) == pytest.approx(100 / 1024)
-    assert sa.noise_share_std(6.0, 4) == pytest.approx(3.0)
+    assert sa.noise_bound(noise_std=0.5, scale_bits=4) == 40 * 8 + 1  # a 40-sigma tail: 40 * 0.5 * 2^4 steps, + 1
+    assert sa.rounding_slack(10_000, 10) == pytest.approx(100 / 1024)  # sqrt(d) / 2^k
+    assert sa.noise_share_std(6.0, 4) == pytest.approx(3.0)  # sigma / sqrt(m)
     with pytest.raises(sa.SecaggError, match="min_clients: expected an integer >= 2, got 1"):
         sa.noise_share_std(1.0, 1)
     with pytest.raises(sa.SecaggError, match=r"expected >= 256.0 \(raise secagg scale bits\)"):
