@@ -79,9 +79,13 @@ def pack_reply(config: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> bytes
 
 
 def unpack_reply(blob: bytes) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
-    with np.load(io.BytesIO(blob), allow_pickle=False) as data:
-        config = json.loads(bytes(data["__config__"]).decode())
-        arrays = {k: data[k] for k in data.files if k != "__config__"}
+    """A stored reply; a damaged one is a LedgerError (the ledger is corrupt, never answered afresh)."""
+    try:
+        with np.load(io.BytesIO(blob), allow_pickle=False) as data:
+            config = json.loads(bytes(data["__config__"]).decode())
+            arrays = {k: data[k] for k in data.files if k != "__config__"}
+    except (zipfile.BadZipFile, KeyError, EOFError, OSError, ValueError) as exc:
+        raise LedgerError(f"ledger: a stored reply does not decode ({exc!r}); the ledger is corrupt") from exc
     return config, arrays
 
 

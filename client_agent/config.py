@@ -43,6 +43,23 @@ class Policy:
     # secagg trust: the fewest clients whose inputs a session may sum (m); each adds sigma^2 / m of the noise.
     min_secagg_clients: int = 2
 
+    def __post_init__(self) -> None:
+        # A NaN limit would compare False with everything and silently switch the limit off.
+        for name, value in (
+            ("policy-min-noise-std", self.min_noise_std),
+            ("policy-min-noise-multiplier", self.min_noise_multiplier),
+        ):
+            if not math.isfinite(value) or value < 0:
+                raise AgentConfigError(f"{name}: expected a finite number >= 0, got {value!r}")
+        if math.isnan(self.max_clip) or self.max_clip <= 0:
+            raise AgentConfigError(f"policy-max-clip: expected a number > 0 (inf for no limit), got {self.max_clip!r}")
+        for name, count in (
+            ("policy-max-model-params", self.max_model_params),
+            ("policy-max-rounds-per-run", self.max_rounds_per_run),
+        ):
+            if count < 1:
+                raise AgentConfigError(f"{name}: expected an integer >= 1, got {count!r}")
+
     def describe(self) -> dict[str, object]:
         return {
             "min_noise_std": self.min_noise_std,
@@ -115,6 +132,15 @@ class AgentConfig:
             open_unit("delta", self.delta)
         except PrivacyParameterError as exc:
             raise AgentConfigError(str(exc)) from exc
+        if not self.ledger_path.is_absolute():
+            # Relative to what? The SuperNode runs the ClientApp in a folder of its own: a relative
+            # ledger path would open a fresh, empty ledger there, which reads as a budget reset.
+            raise AgentConfigError(
+                f"ledger-path: expected an absolute path (or a path relative to the agent TOML file), "
+                f"got {str(self.ledger_path)!r}"
+            )
+        if self.noise_seed is not None and self.noise_seed < 0:
+            raise AgentConfigError(f"noise-seed: expected an integer >= 0, got {self.noise_seed}")
         for name, value, choices in (
             ("filter", self.filter, AGENT_FILTERS),
             ("unit", self.unit, UNITS),
@@ -217,6 +243,8 @@ def _names(raw: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> tuple[
     if key not in raw:
         return choices
     value = raw[key]
+    if not isinstance(value, (str, list, tuple)):
+        raise AgentConfigError(f"agent config: {key!r} must be a comma-separated string or a list, got {value!r}")
     items = value.split(",") if isinstance(value, str) else list(value)
     out = tuple(str(v).strip() for v in items if str(v).strip())
     for item in out:

@@ -33,6 +33,7 @@ import re
 import secrets
 import sqlite3
 import types
+import zipfile
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -206,8 +207,12 @@ def _encode(arrays: Arrays) -> bytes:
 
 
 def _decode(blob: bytes) -> Arrays:
-    with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
-        return {name: npz[name] for name in npz.files}
+    """Arrays from an .npz blob; a damaged blob is a ValueError (zipfile's own errors are not)."""
+    try:
+        with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
+            return {name: npz[name] for name in npz.files}
+    except (zipfile.BadZipFile, KeyError, EOFError) as exc:
+        raise ValueError(f"expected an .npz blob, found a damaged one: {exc!r}") from exc
 
 
 def _layout(arrays: Arrays) -> dict[str, dict[str, object]]:
@@ -546,6 +551,12 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> tuple[LedgerConfig,
         layout = json.loads(meta["state_layout"])
     except (KeyError, ValueError) as exc:
         raise _corrupt(path, f"stored configuration is unreadable: {exc!r}") from exc
+    well_formed = isinstance(layout, dict) and all(
+        isinstance(v, dict) and isinstance(v.get("shape"), list) and isinstance(v.get("dtype"), str)
+        for v in layout.values()
+    )
+    if not well_formed:
+        raise _corrupt(path, f"expected a state layout of {{name: {{shape, dtype}}}}, found {str(layout)[:200]}")
     return config, layout
 
 

@@ -35,5 +35,9 @@ def decode_content(content: RecordDict) -> Payload:
     config: dict[str, Any] = dict(content[wire.CONFIG]) if wire.CONFIG in content.config_records else {}
     arrays: dict[str, np.ndarray] = {}
     if wire.ARRAYS in content.array_records:
-        arrays = {key: value.numpy() for key, value in content.array_records[wire.ARRAYS].items()}
+        for key, value in content.array_records[wire.ARRAYS].items():
+            try:
+                arrays[key] = value.numpy()
+            except (ValueError, TypeError) as exc:  # garbage bytes, a pickled or non-numpy array
+                raise wire.ProtocolError(f"array {key!r}: expected a numpy-serialised array, found: {exc}") from exc
     return config, arrays

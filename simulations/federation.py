@@ -18,8 +18,9 @@ def write_clients(
     a key whose value is None is left out. Ledgers go to ``ledger_dir/client{i}.sqlite`` (default
     ``root/ledgers``); ledgers already there are kept, with every spend they hold.
     """
+    root = root.resolve()  # agents need absolute paths: a ClientApp may run in another folder
     root.mkdir(parents=True, exist_ok=True)
-    ledgers = ledger_dir if ledger_dir is not None else root / "ledgers"
+    ledgers = (ledger_dir if ledger_dir is not None else root / "ledgers").resolve()
     ledgers.mkdir(parents=True, exist_ok=True)
     common = {k.replace("_", "-"): v for k, v in agent.items() if v is not None}
     seed = common.pop("noise-seed", None)

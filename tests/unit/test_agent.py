@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,20 @@ def test_bad_agent_config() -> None:
         parse_agent_config({"ledger-path": "x", "data-path": "y", "epsilon": 1.0, "delta": 1e-5, "budget": 3})
     with pytest.raises(AgentConfigError, match="epsilon: expected a finite number > 0"):
         parse_agent_config({"ledger-path": "x", "data-path": "y", "epsilon": -1.0, "delta": 1e-5})
+    base = {"ledger-path": "/tmp/l.sqlite", "data-path": "y", "epsilon": 1.0, "delta": 1e-5}
+    refused = [
+        # A relative ledger path in a flat node config would open a fresh ledger wherever the ClientApp runs.
+        ({"ledger-path": "client.sqlite"}, "ledger-path: expected an absolute path"),
+        # NaN limits compare False with everything: they would switch the policy off.
+        ({"policy-min-noise-std": float("nan")}, "policy-min-noise-std: expected a finite number >= 0, got nan"),
+        ({"policy-max-clip": float("nan")}, "policy-max-clip: expected a number > 0"),
+        ({"policy-max-rounds-per-run": 0}, "policy-max-rounds-per-run: expected an integer >= 1, got 0"),
+        ({"policy-allowed-kinds": 5}, "'policy-allowed-kinds' must be a comma-separated string or a list, got 5"),
+        ({"noise-seed": -1}, "noise-seed: expected an integer >= 0, got -1"),
+    ]
+    for override, message in refused:
+        with pytest.raises(AgentConfigError, match=re.escape(message)):
+            parse_agent_config(base | override)
 
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.floats(allow_nan=True), st.text(max_size=20))
@@ -565,3 +580,34 @@ def test_huge_model_args_are_refused_before_allocating(tmp_path: Path) -> None:
     assert outcome.error_code == wire.ERR_MALFORMED
     assert "'parameters' must hold 10001100010 values" in outcome.error_reason
     assert agent.ledger.requests_answered() == 0
+
+
+def test_damaged_stored_reply_is_a_ledger_error_never_a_fresh_answer(tmp_path: Path) -> None:
+    import sqlite3
+
+    agent = make_agent(tmp_path)
+    assert not agent.handle(wire.GRADIENT, *gradient()).is_error
+    agent.close()
+    conn = sqlite3.connect(tmp_path / "ledger.sqlite", isolation_level=None)
+    conn.execute("UPDATE requests SET reply = ? WHERE request_id = 'r1'", (b"not an npz",))
+    conn.close()
+    agent = make_agent(tmp_path)
+    before = ledger_snapshot(agent)
+    outcome = agent.handle(wire.GRADIENT, *gradient())  # the repeat of r1 must replay, and cannot
+    assert outcome.error_code == wire.ERR_LEDGER and "stored reply does not decode" in outcome.error_reason
+    assert ledger_snapshot(agent) == before
+
+
+def test_garbage_flower_array_is_a_protocol_error() -> None:
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    from protocol.records import decode_content
+
+    content = RecordDict(
+        {
+            wire.CONFIG: ConfigRecord({}),
+            wire.ARRAYS: ArrayRecord({"x": Array(dtype="float32", shape=(3,), stype="numpy.ndarray", data=b"junk")}),
+        }
+    )
+    with pytest.raises(wire.ProtocolError, match="array 'x': expected a numpy-serialised array"):
+        decode_content(content)

@@ -611,3 +611,14 @@ def test_new_ledger_is_readable_by_its_owner_only(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_malformed_state_layout_is_corrupt_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "layout.sqlite"
+    cfg = LedgerConfig(filter="gdp", epsilon=1.0, delta=1e-5, unit="record", trust="local", n_units=2, params={})
+    Ledger.open(path, cfg, initial_state={"spent": np.zeros(2)}).close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("UPDATE meta SET value = '[1, 2]' WHERE key = 'state_layout'")
+    conn.close()
+    with pytest.raises(LedgerError, match=r"corrupt.*expected a state layout of \{name: \{shape, dtype\}\}"):
+        Ledger.open_existing(path)
