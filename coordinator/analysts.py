@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.config import ANALYSTS
 from protocol import messages as wire
 
 
@@ -90,4 +91,4 @@ def build_analyst(name: str, *, rounds: int, columns: int) -> Analyst:
         return refine(columns, repeats=max(1, (rounds - columns) // top), top=top)
     if name == "cycle":
         return cycle(columns)
-    raise ValueError(f"analyst: expected one of ('sweep', 'refine', 'cycle'), got {name!r}")
+    raise ValueError(f"analyst: expected one of {ANALYSTS}, got {name!r}")

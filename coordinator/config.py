@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol import messages as wire
+from protocol.models import MODELS
+
+ANALYSTS = ("sweep", "refine", "cycle")  # coordinator/analysts.py:build_analyst
 
 TASKS: tuple[str, ...] = ("gradient", "indicator")
 MONITORS: tuple[str, ...] = ("none", "svt", "tree")
@@ -91,6 +94,23 @@ class CoordinatorConfig:
         ):
             if value not in choices:
                 raise CoordinatorConfigError(f"{name}: expected one of {choices}, got {value!r}")
+        if self.task == "gradient" and self.model not in MODELS:
+            raise CoordinatorConfigError(f"model: expected one of {sorted(MODELS)}, got {self.model!r}")
+        if self.task == "indicator" and self.analyst not in ANALYSTS:
+            raise CoordinatorConfigError(f"analyst: expected one of {ANALYSTS}, got {self.analyst!r}")
+        # Request ids are '<run_id>:<purpose>:r<round>:n<node>' (at most 256 characters, no '|', protocol/messages.py).
+        if not isinstance(self.run_id, str) or not self.run_id or "|" in self.run_id or len(self.run_id) > 160:
+            raise CoordinatorConfigError(
+                f"run_id: expected a non-empty string of at most 160 characters without '|', got {self.run_id!r:.200}"
+            )
+        if not isinstance(self.progress, bool):
+            raise CoordinatorConfigError(f"progress: expected true or false, got {self.progress!r}")
+        if self.noise_seed is not None and (
+            isinstance(self.noise_seed, bool) or not isinstance(self.noise_seed, int) or self.noise_seed < 0
+        ):
+            raise CoordinatorConfigError(f"noise_seed: expected an integer >= 0 (or none), got {self.noise_seed!r}")
+        if isinstance(self.accuracy_beta, bool) or not isinstance(self.accuracy_beta, (int, float)):
+            raise CoordinatorConfigError(f"accuracy_beta: expected a number in (0, 1), got {self.accuracy_beta!r}")
         if not 0 < self.accuracy_beta < 1:
             raise CoordinatorConfigError(f"accuracy_beta: expected a number in (0, 1), got {self.accuracy_beta!r}")
         try:

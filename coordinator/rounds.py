@@ -46,6 +46,7 @@ from protocol import messages as wire
 from protocol.filters import GaussianFilter, rounds_within
 from protocol.models import build_model, flatten_parameters
 from protocol.releases import tree_levels
+from protocol.validate import PrivacyParameterError
 
 Evaluate = Callable[[np.ndarray], dict[str, float]]
 
@@ -109,9 +110,42 @@ def _accepted(status: dict[str, Any]) -> dict[str, Any]:
     needed = {"svt": ("epsilon_svt",), "tree": ("noise_std", "max_rounds", "squared_cost")}.get(monitor.get("kind"), ())
     for key in needed:
         value = monitor.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise wire.ProtocolError(f"status reply: monitor {key!r} must be a finite number, got {value!r:.80}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise wire.ProtocolError(f"status reply: monitor {key!r} must be a finite number >= 0, got {value!r:.80}")
+    if monitor.get("kind") == "tree":
+        for key in ("max_rounds", "levels"):
+            value = monitor.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise wire.ProtocolError(f"status reply: monitor {key!r} must be an integer >= 1, got {value!r:.80}")
+    if not float(ledger["delta"]) < 1:
+        raise wire.ProtocolError(f"status reply: ledger 'delta' must be in (0, 1), got {ledger['delta']!r:.80}")
+    if not isinstance(status.get("policy", {}), dict):
+        raise wire.ProtocolError(f"status reply: expected a 'policy' object, got {status.get('policy')!r:.80}")
     return status
+
+
+def _worst_case_threshold(cfg: CoordinatorConfig, ledgers: list[dict[str, Any]]) -> float:
+    """The smallest GDP threshold among the clients, each at its own (epsilon, delta) less its own monitor share.
+
+    What worst-case accounting would allow the weakest client (``worst_case_queries``); the
+    reservation rule is the clients' own (privacy.md §7): (epsilon - epsilon_svt, delta) for the
+    SVT, T - L / sigma_m^2 for the tree.
+    """
+    thresholds = []
+    for lg in ledgers:
+        monitor = lg["params"]["monitor"]
+        eps = float(lg["epsilon"]) - (float(monitor["epsilon_svt"]) if cfg.monitor == "svt" else 0.0)
+        try:
+            filt = GaussianFilter.gdp(epsilon=eps, delta=float(lg["delta"]))
+            if cfg.monitor == "tree":
+                filt = filt.reserve(squared_budget=float(monitor["squared_cost"]))
+        except PrivacyParameterError as exc:
+            raise EnrolmentError(
+                f"the clients did not accept this run: a client's budget ({lg['epsilon']}, {lg['delta']}) "
+                f"leaves nothing after its monitor reservation: {exc}"
+            ) from exc
+        thresholds.append(filt.threshold)
+    return min(thresholds)
 
 
 def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
@@ -154,9 +188,6 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
     filters = sorted({str(lg["filter"]) for lg in ledgers})
     monitors = [lg["params"]["monitor"] for lg in ledgers]
     monitor_reserved: dict[str, Any] = {"kind": cfg.monitor}
-    worst_eps = min(float(lg["epsilon"]) for lg in ledgers)
-    worst_delta = min(float(lg["delta"]) for lg in ledgers)
-    squared_reserved = 0.0
     units = sum(int(lg["n_units"]) for lg in ledgers)
     if units != cfg.n_public:
         raise EnrolmentError(
@@ -164,7 +195,6 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
             f"hold {units} (set n_public to the number of enrolled units)"
         )
     if cfg.monitor == "svt":
-        worst_eps -= cfg.monitor_epsilon
         monitor_reserved.update(
             epsilon_svt=cfg.monitor_epsilon,
             epsilon_threshold=cfg.monitor_epsilon / 2,
@@ -173,18 +203,15 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
             rule="split (epsilon - epsilon_svt, delta) for the filter and (epsilon_svt, 0) for the SVT",
         )
     elif cfg.monitor == "tree":
-        squared_reserved = max(float(m["squared_cost"]) for m in monitors)
         monitor_reserved.update(
             noise_std=min(float(m["noise_std"]) for m in monitors),
             levels=tree_levels(cfg.rounds),  # the nodes a run of this length reads; clients may report more
-            squared_cost=squared_reserved,
+            squared_cost=max(float(m["squared_cost"]) for m in monitors),
             max_rounds=min(int(m["max_rounds"]) for m in monitors),
             threshold=cfg.monitor_threshold,
             rule="T <- T - L / sigma_m^2 in every unit's filter",
         )
-    worst = GaussianFilter.gdp(epsilon=worst_eps, delta=worst_delta)
-    if squared_reserved:
-        worst = worst.reserve(squared_budget=squared_reserved)
+    worst_threshold = _worst_case_threshold(cfg, ledgers)
     secagg = _secagg_settings(cfg, statuses, monitor_reserved) if cfg.trust == "secagg" else None
     privacy = {
         "epsilon": epsilon,
@@ -207,7 +234,7 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
         nodes=sorted(statuses),
         units_enrolled=units,
         privacy=privacy,
-        worst_case_threshold=worst.threshold,
+        worst_case_threshold=worst_threshold,
         excluded=dict(excluded),
         secagg=secagg,
     )
@@ -303,7 +330,7 @@ class RoundLog:
     duration_s: float
     monitor: dict[str, Any] = field(default_factory=dict)
     secagg: dict[str, Any] = field(default_factory=dict)  # clients left after each step, or why it aborted
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | None] = field(default_factory=dict)
     query: dict[str, Any] | None = None
     answer: float | None = None
     bound: float | None = None
@@ -474,8 +501,8 @@ def run(
     """Run the configured task to its stop; returns the summary (also written to ``output_dir``)."""
     started = time.monotonic()
     rng = noise_rng(cfg)
+    enrolment = enrol(transport, cfg)  # before any output is written: a refused run leaves no partial files
     writer = RunWriter(cfg.output_dir)
-    enrolment = enrol(transport, cfg)
     nodes = enrolment.nodes
     monitor: SvtMonitor | TreeMonitor | None = None
     if cfg.monitor == "svt":
@@ -546,10 +573,15 @@ def run(
         )
         if cfg.task == "gradient":
             if total is not None:  # None: the secagg session released nothing, the model stays
-                params = (params - cfg.learning_rate * total / cfg.n_public).astype(np.float32)
+                step = params.astype(np.float64) - cfg.learning_rate * total / cfg.n_public
+                if np.all(np.isfinite(step)) and np.all(np.abs(step) <= np.finfo(np.float32).max):
+                    params = step.astype(np.float32)
+                else:  # a reply far out of range (a faulty or hostile client); post-processing, no privacy cost
+                    errors["non-finite-step"] += 1
             if cfg.plateau_every and rnd % cfg.plateau_every == 0:
                 accuracy = _private_accuracy(transport, cfg, nodes, rnd, params, rng, errors, enrolment.secagg)
-                log.metrics["train_accuracy_private"] = accuracy
+                # JSON has no NaN: an aborted secagg count is logged as null.
+                log.metrics["train_accuracy_private"] = None if math.isnan(accuracy) else accuracy
                 if math.isnan(accuracy):
                     pass  # an aborted secagg count says nothing: neither better nor stale
                 elif accuracy > plateau_best + cfg.plateau_min_delta:

@@ -29,6 +29,11 @@ def test_central_noise_is_unpredictable_by_default() -> None:
         ({"noise_std": float("nan")}, "noise_std: expected a finite number > 0, got nan"),
         ({"rounds": 0}, "rounds: expected an integer >= 1, got 0"),
         ({"trust": "none"}, "trust: expected one of"),
+        ({"model": "nope"}, "model: expected one of"),
+        ({"task": "indicator", "analyst": "nope"}, r"analyst: expected one of \('sweep', 'refine', 'cycle'\)"),
+        ({"run_id": "a|b"}, "run_id: expected a non-empty string of at most 160 characters without '|'"),
+        ({"progress": "false"}, "progress: expected true or false, got 'false'"),
+        ({"noise_seed": 1.5}, r"noise_seed: expected an integer >= 0 \(or none\), got 1.5"),
     ],
 )
 def test_bad_run_config_is_refused_at_construction(override: dict[str, object], message: str) -> None:

@@ -248,3 +248,25 @@ def test_malformed_status_replies_exclude_the_client_with_a_clear_error() -> Non
     scripted = Scripted({n: broken for n in NODES}, {}, "central")
     with pytest.raises(EnrolmentError, match=r"no client enrolled: \{'malformed-status': 3\}"):
         run(scripted, config())
+
+
+def test_out_of_range_reply_leaves_the_model_and_is_counted(tmp_path: Path) -> None:
+    # A reply at float32's edge would overflow the step to inf; the model stays and the round says why.
+    huge = np.full(8, np.finfo(np.float32).max, dtype=np.float32)
+    scripted = Scripted({n: status(trust="local") for n in NODES}, {n: huge for n in NODES}, "local")
+    summary = run(scripted, config(trust="local", learning_rate=1e6, output_dir=str(tmp_path)))
+    params0 = flatten_parameters(build_model("logreg", seed=0, in_features=3, n_classes=2)).astype(np.float32)
+    np.testing.assert_array_equal(summary["parameters"], params0)
+    assert summary["rounds"][0]["errors"] == {"non-finite-step": 1}
+    assert json.loads((tmp_path / "rounds.jsonl").read_text())["errors"] == {"non-finite-step": 1}
+
+
+def test_client_whose_budget_is_empty_after_its_reservation_is_refused_at_enrolment(tmp_path: Path) -> None:
+    # One client reserved a tree costing more than its small budget leaves: a clear refusal, no output files.
+    tree = {"kind": "tree", "noise_std": 1.0, "max_rounds": 4, "squared_cost": 3.0, "levels": 3}
+    statuses = {n: status(trust="local", monitor=tree) for n in NODES}
+    scripted = Scripted(statuses, {}, "local")
+    cfg = config(trust="local", monitor="tree", monitor_threshold=1, rounds=4, output_dir=str(tmp_path / "out"))
+    with pytest.raises(EnrolmentError, match="leaves nothing after its monitor reservation"):
+        run(scripted, cfg)
+    assert not (tmp_path / "out").exists()  # refused before anything was written
