@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from protocol.models import build_model, parameter_count
+
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
@@ -43,6 +45,7 @@ from simulations.federation import write_clients
 from simulations.inprocess import InProcessTransport
 
 MODEL_ARGS = {"in_features": 784, "hidden": [128], "out_features": 10}
+RECORDS = 20  # per client
 
 
 def payload_bytes(payload: Payload) -> int:
@@ -71,7 +74,7 @@ class Measured(InProcessTransport):
 
 def measure(n: int, trust: str, rounds: int, root: Path) -> dict[str, Any]:
     rng = np.random.default_rng(0)
-    parts = [(rng.normal(size=(20, 784)).astype(np.float32), rng.integers(0, 10, 20)) for _ in range(n)]
+    parts = [(rng.normal(size=(RECORDS, 784)).astype(np.float32), rng.integers(0, 10, RECORDS)) for _ in range(n)]
     per = write_clients(root / f"{trust}{n}", parts, epsilon=1000.0, delta=1e-5, unit="client", trust=trust)
     cfg = CoordinatorConfig(
         num_nodes=n,
@@ -108,7 +111,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="fedfilter-secagg-bench-"))
-    print(f"MLP 784-128-10 (101,770 parameters), 20 records per client, in-process transport, {args.rounds} rounds")
+    d = parameter_count(build_model("mlp", **MODEL_ARGS))
+    print(f"MLP 784-128-10 ({d:,} parameters), {RECORDS} records per client, in-process, {args.rounds} rounds")
     for n in args.clients:
         result = {trust: measure(n, trust, args.rounds, root) for trust in ("local", "secagg")}
         local, secagg = result["local"], result["secagg"]

@@ -94,7 +94,14 @@ def _run_budget(args: argparse.Namespace) -> int:
             f"realisation-level filter (TVC), N = {r['max_rounds']}: continue while |L| <= kappa = {r['kappa']:.6f} "
             f"(delta~ = {r['delta_tilde']:.3g}, theta = {r['theta']:.3g})"
         )
-        if r["kappa"] <= 0:
+        from protocol.realisation import RealisationFilter, RealisationState
+
+        real = RealisationFilter.create(
+            epsilon=args.epsilon, delta=args.delta, max_rounds=r["max_rounds"], mu_max=args.clip / args.noise_std
+        )
+        if not RealisationState.fresh(real, 1).accepting[0]:
+            print("  at this sigma and (epsilon, delta) the realisation filter accepts no request at all")
+        elif r["kappa"] <= 0:
             print("  kappa <= 0: at this sigma and (epsilon, delta) the realisation filter stops after one request")
     print()
     print("Units whose realised contributions are smaller than C keep going after these rounds (FZ Prop. 5.1).")
@@ -233,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
-    except (PrivacyParameterError, LedgerError, ValueError, FileNotFoundError, EnrolmentError) as exc:
+    except (PrivacyParameterError, LedgerError, ValueError, OSError, EnrolmentError) as exc:
         print(f"fedfilter {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -61,6 +61,9 @@ CLIENTS = 10
 # Suboptimal regime: the clip is this multiple of the tuned one (FZ Sec. 5.1).
 SUBOPTIMAL_CLIP_FACTOR = {0.3: 1.5, 0.5: 1.5, 1.0: 2.0}
 TUNED_FILTER_STEPS = 1.5
+DEFAULT_RESULTS = Path("docs/results/fz_sec51.jsonl")
+# What the report reads from every trial.
+RESULT_KEYS = frozenset({"epsilon", "regime", "method", "final_accuracy", "train_records", "active_per_round", "clip"})
 
 
 @dataclass(frozen=True)
@@ -246,8 +249,13 @@ def run_trial(
 def append_result(path: Path, record: dict[str, Any]) -> None:
     """Append one trial as a JSON line (flushed and synced: a finished trial is never lost)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record, sort_keys=True) + "\n")
+    with path.open("a+b") as handle:
+        handle.seek(0, os.SEEK_END)
+        if handle.tell() > 0:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":  # a line cut short must not swallow this one
+                handle.write(b"\n")
+        handle.write((json.dumps(record, sort_keys=True) + "\n").encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -261,9 +269,13 @@ def load_results(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{n}: expected one JSON object per line, found: {exc}") from exc
+        missing = sorted(RESULT_KEYS - set(row)) if isinstance(row, dict) else sorted(RESULT_KEYS)
+        if missing:
+            raise ValueError(f"{path}:{n}: expected a trial with keys {sorted(RESULT_KEYS)}, missing {missing}")
+        rows.append(row)
     return rows
 
 
@@ -343,9 +355,6 @@ def plot_fig1(rows: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
-DEFAULT_RESULTS = Path("docs/results/fz_sec51.jsonl")
-
-
 def add_commands(sub: Any) -> None:
     """``fedfilter reproduce fz-mnist`` (run trials, append them) and ``fedfilter reproduce fz-mnist-report``."""
     p = sub.add_parser(
@@ -384,6 +393,14 @@ def _run_cells(args: Any) -> int:
     if args.trials < 1:
         raise ValueError(f"--trials: expected an integer >= 1, got {args.trials}")
     cells = [cell(e, r, m) for r in args.regime for e in args.epsilon for m in args.method]
+    # Before hours of training: the results file must be readable and writable, or say why now.
+    load_results(args.results)
+    try:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        with args.results.open("a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--results: expected a writable JSON lines file, got {args.results}: {exc}") from exc
     for k in range(args.trials):
         seed = args.seed + k
         for c in cells:

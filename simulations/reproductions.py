@@ -151,6 +151,14 @@ def realisation_survival(opts: Options, out: Path) -> Plan:
     eps, delta = _pick(opts.epsilon, TVC_EPSILON), _pick(opts.delta, TVC_DELTA)
     sigma, clip = _pick(opts.noise_std, TVC_NOISE_STD), 1.0
     n_max, clients = _pick(opts.rounds, TVC_MAX_ROUNDS), _pick(opts.clients, TVC_CLIENTS)
+    filt = RealisationFilter.create(epsilon=eps, delta=delta, max_rounds=n_max, mu_max=clip / sigma)
+    if not RealisationState.fresh(filt, 1).accepting[0]:
+        # Checked before any client is written: the federation would answer nothing to plot.
+        head = eps - float(filt.margin(0.0))
+        raise ValueError(
+            f"--epsilon: at sigma = {sigma:g} and N = {n_max} the realisation filter accepts no query below "
+            f"epsilon = {head:.4g}; got {eps:g}"
+        )
     per = write_clients(
         out / "clients",
         ones_parts(clients),
@@ -175,7 +183,6 @@ def realisation_survival(opts: Options, out: Path) -> Plan:
         seed=opts.seed,
     )
     worst = GaussianFilter.gdp(epsilon=eps, delta=delta).full_norm_rounds(noise_std=sigma, l2_clip=clip)
-    filt = RealisationFilter.create(epsilon=eps, delta=delta, max_rounds=n_max, mu_max=clip / sigma)
     notes = {"paper": "TVC Fig. 2", "trials": clients, "max_rounds": n_max}
 
     def post(summary: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -205,13 +212,13 @@ def survival_report(
     started = time.monotonic()
     n_max = filt.max_rounds
     if summary["rounds_completed"] != n_max:
-        raise RuntimeError(
+        raise ValueError(
             f"realisation-survival: expected the federation to ask all {n_max} queries, "
             f"it asked {summary['rounds_completed']} ({summary['stopped_because']})"
         )
     fed_times = halt_rounds(clients)
     if np.any(fed_times < 1):
-        raise RuntimeError("realisation-survival: a client's ledger holds no halt round after all queries were asked")
+        raise ValueError("realisation-survival: a client's ledger holds no halt round after all queries were asked")
     mc_seed = [seed, 1]  # a stream apart from every client's noise seed
     mc_times = realisation_stopping_times(
         filt, noise_std=noise_std, l2_clip=l2_clip, trials=trials, rng=np.random.default_rng(mc_seed)

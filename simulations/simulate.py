@@ -96,6 +96,11 @@ def quickstart(opts: Options, out: Path) -> Plan:
     parts = [(x[i * records : (i + 1) * records], y[i * records : (i + 1) * records]) for i in range(clients)]
     n_units = clients * records if unit == "record" else clients
     monitor: dict[str, Any] = {"monitor": "svt", "monitor_epsilon": 0.1} if trust == "central" else {"monitor": "none"}
+    if eps <= monitor.get("monitor_epsilon", 0.0):
+        raise ValueError(
+            f"--epsilon: the quickstart reserves epsilon {monitor['monitor_epsilon']} for its monitor in central "
+            f"trust; expected more than that, got {eps:g}"
+        )
     per = _clients(
         out,
         parts,

@@ -63,9 +63,25 @@ def test_bad_cells_are_refused() -> None:
 
 def test_results_file_with_a_broken_line_names_it(tmp_path: Path) -> None:
     path = tmp_path / "r.jsonl"
-    path.write_text('{"a": 1}\nnot json\n')
+    good = {
+        "epsilon": 0.3,
+        "regime": "tuned",
+        "method": "gd",
+        "final_accuracy": 0.9,
+        "train_records": 600,
+        "active_per_round": [600, 600],
+        "clip": 1.0,
+    }
+    path.write_text(json.dumps(good) + "\nnot json\n")
     with pytest.raises(ValueError, match=r"r.jsonl:2: expected one JSON object per line"):
         load_results(path)
+    path.write_text(json.dumps(good) + "\n[]\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:2: expected a trial with keys .* missing \['active_per_round'"):
+        load_results(path)
+    # A last line cut short (no newline) does not swallow the next trial appended after it.
+    path.write_text(json.dumps(good))
+    append_result(path, good | {"method": "gdp"})
+    assert [r["method"] for r in load_results(path)] == ["gd", "gdp"]
 
 
 @needs_mnist

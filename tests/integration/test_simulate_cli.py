@@ -76,3 +76,10 @@ def test_simulate_never_reuses_ledgers_that_hold_spend(tmp_path: Path, capsys: p
     capsys.readouterr()
     assert main(args) == 2  # a second run over the first one's ledgers would read as a budget reset
     assert "already holds 10 client ledgers from an earlier run" in capsys.readouterr().err
+
+
+def test_quickstart_epsilon_must_exceed_its_monitor_share(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--epsilon", "0.1", "--engine", "inprocess", "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "--epsilon: the quickstart reserves epsilon 0.1 for its monitor in central trust" in err
+    assert "got 0.1" in err and not (tmp_path / "q" / "clients").exists()

@@ -336,3 +336,20 @@ def test_a_preset_refuses_the_options_it_fixes(tmp_path: Path, capsys: pytest.Ca
     assert "--rounds: expected at least 13" in capsys.readouterr().err
     assert main(["simulate", "--preset", "filters-compare", "--clip", "2", "--out", str(tmp_path / "y")]) == 2
     assert "--clip: the filters-compare preset runs with clip 1.0; got 2.0" in capsys.readouterr().err
+
+
+def test_realisation_survival_refuses_an_epsilon_that_answers_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # At (2, 1e-5), sigma = 2, N = 48 the filter's margin at the first query is negative (TVC Alg. 1 with
+    # mu_0 = 0): refuse before building the federation, not after running it.
+    out = tmp_path / "rs"
+    args = ["simulate", "--preset", "realisation-survival", "--engine", "inprocess", "--out", str(out)]
+    assert main([*args, "--epsilon", "2"]) == 2
+    assert "--epsilon: at sigma = 2 and N = 48 the realisation filter accepts no query below epsilon" in (
+        capsys.readouterr().err
+    )
+    assert not (out / "clients").exists()
+    budget = ["budget", "--epsilon", "2", "--delta", "1e-5", "--noise-std", "2", "--clip", "1", "--max-rounds", "48"]
+    assert main(budget) == 0
+    assert "accepts no request at all" in capsys.readouterr().out
