@@ -109,10 +109,14 @@ def load_client_data(path: os.PathLike[str] | str) -> tuple[NDArray[Any], NDArra
     return x, y, hashlib.sha256(raw).hexdigest()
 
 
+def _digest64(text: str) -> int:
+    """The first 8 bytes of SHA-256(text), as an unsigned little-endian integer."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
 def _run_tag(run_id: str) -> int:
     """A non-zero 63-bit tag of a run id (SHA-256), to remember which run owns the SVT reservation."""
-    tag = int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:8], "little") & ((1 << 63) - 1)
-    return tag or 1
+    return (_digest64(run_id) & ((1 << 63) - 1)) or 1
 
 
 def check_monotone(old: dict[str, NDArray[Any]], new: dict[str, NDArray[Any]]) -> None:
@@ -306,8 +310,7 @@ class Agent:
         """Noise source: OS entropy, or (simulations and tests) a seed mixed with the request id."""
         if self.config.noise_seed is None:
             return np.random.default_rng()
-        mix = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
-        return np.random.default_rng([self.config.noise_seed, mix])
+        return np.random.default_rng([self.config.noise_seed, _digest64(request_id)])
 
     def contributions(self, request: wire.GradientRequest | wire.IndicatorRequest) -> NDArray[np.float32]:
         """Each unit's unclipped contribution, one row per unit (float32)."""

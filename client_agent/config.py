@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.filters import FILTER_KINDS, GaussianFilter
-from protocol.messages import GRADIENT, INDICATOR, MESSAGE_TYPES, MONITOR, STATUS, TRUST_MODES, UNITS
+from protocol.messages import MESSAGE_TYPES, TRUST_MODES, UNITS
 from protocol.realisation import RealisationFilter
 from protocol.releases import tree_levels
 from protocol.validate import PrivacyParameterError, open_unit, positive, positive_int
@@ -36,7 +36,7 @@ class Policy:
     min_noise_std: float = 0.0
     min_noise_multiplier: float = 0.0  # noise_std / l2_clip
     max_clip: float = math.inf
-    allowed_kinds: tuple[str, ...] = (GRADIENT, INDICATOR, MONITOR, STATUS)
+    allowed_kinds: tuple[str, ...] = MESSAGE_TYPES  # the parser's default too
     allowed_trust: tuple[str, ...] = TRUST_MODES
     max_model_params: int = 10_000_000
     max_rounds_per_run: int = 100_000

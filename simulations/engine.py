@@ -46,3 +46,24 @@ def run_flower(
     if not results:
         raise RuntimeError("the Flower simulation ended without a summary; see the log above for the ServerApp error")
     return results
+
+
+ENGINES = ("flower", "inprocess")
+
+
+def run_engine(
+    engine: str,
+    cfg: CoordinatorConfig,
+    node_configs: Mapping[int, Mapping[str, Any]],
+    *,
+    evaluate: Evaluate | None = None,
+) -> dict[str, Any]:
+    """``cfg`` on Flower's simulation engine (``flower``) or by direct calls to the same agents (``inprocess``)."""
+    if engine == "flower":
+        return run_flower(cfg, node_configs, evaluate=evaluate)
+    if engine == "inprocess":
+        from coordinator.rounds import run
+        from simulations.inprocess import InProcessTransport
+
+        return run(InProcessTransport(node_configs), cfg, evaluate=evaluate)
+    raise ValueError(f"--engine: expected one of {ENGINES}, got {engine!r}")

@@ -217,17 +217,9 @@ def run_trial(
     )
     evaluate = model_evaluator(cfg, test_x, test_y)
     started = time.monotonic()
-    if engine == "flower":
-        from simulations.engine import run_flower
+    from simulations.engine import run_engine
 
-        summary = run_flower(cfg, per, evaluate=evaluate)
-    elif engine == "inprocess":
-        from coordinator.rounds import run
-        from simulations.inprocess import InProcessTransport
-
-        summary = run(InProcessTransport(per), cfg, evaluate=evaluate)
-    else:
-        raise ValueError(f"--engine: expected 'flower' or 'inprocess', got {engine!r}")
+    summary = run_engine(engine, cfg, per, evaluate=evaluate)
     wall = time.monotonic() - started
     accuracy = {r["round"]: r["metrics"]["accuracy"] for r in summary["rounds"] if "accuracy" in r.get("metrics", {})}
     return {

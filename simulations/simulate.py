@@ -270,17 +270,9 @@ def simulate(preset: str, opts: Options) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     plan = PRESETS[preset](opts, out)
     started = time.monotonic()
-    if opts.engine == "flower":
-        from simulations.engine import run_flower
+    from simulations.engine import run_engine
 
-        summary = run_flower(plan.cfg, plan.clients, evaluate=plan.evaluate)
-    elif opts.engine == "inprocess":
-        from coordinator.rounds import run
-        from simulations.inprocess import InProcessTransport
-
-        summary = run(InProcessTransport(plan.clients), plan.cfg, evaluate=plan.evaluate)
-    else:
-        raise ValueError(f"--engine: expected 'flower' or 'inprocess', got {opts.engine!r}")
+    summary = run_engine(opts.engine, plan.cfg, plan.clients, evaluate=plan.evaluate)
     wall = time.monotonic() - started
     active = active_per_round(plan.clients, summary["rounds_completed"])
     truth: dict[str, Any] = {
