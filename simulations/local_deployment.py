@@ -249,8 +249,17 @@ class LocalDeployment:
     def kill(self, service: Service) -> None:
         """SIGKILL: the service and everything it started die at once, with no goodbye to the SuperLink."""
         self.echo(f"# kill -KILL {service.name} (pid {service.pid})")
+        pids = [service.pid, *descendants(service.pid)]
+        self._seen(pids)
         self.signal(service, signal.SIGKILL)
         service.proc.wait(timeout=30)
+        # SIGKILL lands asynchronously: a child in the middle of an fsync (a ClientApp committing to its
+        # ledger) dies once the write returns. Return only when every process of the service is gone.
+        deadline = time.monotonic() + 30
+        while any(pid_alive(p, self.pids_seen.get(p)) for p in pids):
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"{service.name}: processes {pids} still alive 30 s after SIGKILL")
+            time.sleep(0.05)
 
     def stop(self, service: Service, *, grace: float = 10.0) -> None:
         """SIGTERM (a SuperNode then says goodbye to the SuperLink), SIGKILL whatever is left after ``grace``."""
