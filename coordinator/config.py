@@ -98,7 +98,7 @@ class CoordinatorConfig:
             raise CoordinatorConfigError(f"model: expected one of {sorted(MODELS)}, got {self.model!r}")
         if self.task == "indicator" and self.analyst not in ANALYSTS:
             raise CoordinatorConfigError(f"analyst: expected one of {ANALYSTS}, got {self.analyst!r}")
-        # Request ids are '<run_id>:<purpose>:r<round>:n<node>' (at most 256 characters, no '|', protocol/messages.py).
+        # Request ids are '<run_id>:<purpose>[:<step>]:r<round>' (at most 256 characters, no '|', protocol/messages.py).
         if not isinstance(self.run_id, str) or not self.run_id or "|" in self.run_id or len(self.run_id) > 160:
             raise CoordinatorConfigError(
                 f"run_id: expected a non-empty string of at most 160 characters without '|', got {self.run_id!r:.200}"

@@ -156,9 +156,7 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
     (privacy.md §7), so the run does not start.
     """
     nodes = transport.node_ids(cfg.num_nodes, timeout=cfg.enrol_timeout)
-    payloads = {
-        node: wire.encode_request(wire.StatusRequest(f"{cfg.run_id}:status:n{node}", cfg.run_id, 0)) for node in nodes
-    }
+    payloads = {node: wire.encode_request(wire.StatusRequest(f"{cfg.run_id}:status", cfg.run_id, 0)) for node in nodes}
     got = transport.send(wire.STATUS, payloads, timeout=cfg.round_timeout)
     excluded: Counter[str] = Counter(got.errors)
     if got.missing:
@@ -385,16 +383,14 @@ def _private_accuracy(
             rnd,
             "plateau",
             wire.INDICATOR,
-            lambda node, s: _indicator_request(cfg, "plateau", rnd, node, query, params, secagg=s),
+            lambda node, s: _indicator_request(cfg, "plateau", rnd, query, params, secagg=s),
             1,
             cfg.noise_std,
         )
         for name, count in masked.replies.errors.items():
             errors[f"plateau-{name}"] += count
         return math.nan if masked.total is None else float(masked.total[0]) / cfg.n_public
-    payloads = {
-        node: wire.encode_request(_indicator_request(cfg, "plateau", rnd, node, query, params)) for node in nodes
-    }
+    payloads = {node: wire.encode_request(_indicator_request(cfg, "plateau", rnd, query, params)) for node in nodes}
     got = transport.send(wire.INDICATOR, payloads, timeout=cfg.round_timeout)
     plateau_errors: Counter[str] = Counter(got.errors)
     total, _ = _released_sum(cfg, got, 1, rng, plateau_errors)
@@ -422,7 +418,7 @@ def _monitor_round(
             rnd,
             "monitor",
             wire.MONITOR,
-            lambda node, s: wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}:n{node}", cfg.run_id, rnd, cfg.trust, s),
+            lambda node, s: wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}", cfg.run_id, rnd, cfg.trust, s),
             secagg.monitor_levels,
             secagg.monitor_noise_std,
         )
@@ -433,9 +429,7 @@ def _monitor_round(
         reports = [] if masked.total is None else [(masked.total[: monitor.levels], math.sqrt(masked.noise_var))]
         return monitor.add_round(rnd, reports)
     payloads = {
-        node: wire.encode_request(
-            wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}:n{node}", cfg.run_id, rnd, cfg.trust)
-        )
+        node: wire.encode_request(wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}", cfg.run_id, rnd, cfg.trust))
         for node in nodes
     }
     got = transport.send(wire.MONITOR, payloads, timeout=cfg.round_timeout)
@@ -547,7 +541,7 @@ def run(
                 rnd,
                 cfg.task,
                 kind,
-                lambda node, s, rnd=rnd, params=params, query=query: _request(cfg, rnd, node, params, query, secagg=s),
+                lambda node, s, rnd=rnd, params=params, query=query: _request(cfg, rnd, params, query, secagg=s),
                 size,
                 cfg.noise_std,
             )
@@ -555,7 +549,7 @@ def run(
             errors: Counter[str] = Counter(got.errors)
             total, noise_var = masked.total, masked.noise_var
         else:
-            payloads = {node: wire.encode_request(_request(cfg, rnd, node, params, query)) for node in nodes}
+            payloads = {node: wire.encode_request(_request(cfg, rnd, params, query)) for node in nodes}
             got = transport.send(kind, payloads, timeout=cfg.round_timeout)
             errors = Counter(got.errors)
             total, noise_var = _released_sum(cfg, got, size, rng, errors)
@@ -679,10 +673,16 @@ def run(
     return summary
 
 
-def _common(cfg: CoordinatorConfig, purpose: str, rnd: int, node: int) -> dict[str, Any]:
-    """Fields every contribution request of this run carries; the id names the purpose, round and node."""
+def _common(cfg: CoordinatorConfig, purpose: str, rnd: int) -> dict[str, Any]:
+    """Fields every contribution request of this run carries.
+
+    The id names the run, purpose and round, never Flower's node id: the simulation engine draws
+    node ids at random, and a seeded client (noise-seed) mixes the id into its noise, so an id
+    with the node in it would make seeded runs differ from one run to the next. Each client
+    keeps its own ledger, so the id need not be unique across clients.
+    """
     return {
-        "request_id": f"{cfg.run_id}:{purpose}:r{rnd}:n{node}",
+        "request_id": f"{cfg.run_id}:{purpose}:r{rnd}",
         "run_id": cfg.run_id,
         "round": rnd,
         "noise_std": cfg.noise_std,
@@ -695,7 +695,6 @@ def _common(cfg: CoordinatorConfig, purpose: str, rnd: int, node: int) -> dict[s
 def _request(
     cfg: CoordinatorConfig,
     rnd: int,
-    node: int,
     params: np.ndarray,
     query: Query | None,
     secagg: wire.SecaggInput | None = None,
@@ -703,21 +702,20 @@ def _request(
     """The round's request: the model for a gradient round, or the analyst's counting query."""
     if cfg.task == "gradient":
         return wire.GradientRequest(
-            **_common(cfg, "gradient", rnd, node),
+            **_common(cfg, "gradient", rnd),
             model=cfg.model,
             model_args=cfg.canonical_model_args,
             parameters=params,
             secagg=secagg,
         )
     assert query is not None
-    return _indicator_request(cfg, "indicator", rnd, node, query, secagg=secagg)
+    return _indicator_request(cfg, "indicator", rnd, query, secagg=secagg)
 
 
 def _indicator_request(
     cfg: CoordinatorConfig,
     purpose: str,
     rnd: int,
-    node: int,
     query: Query,
     params: np.ndarray | None = None,
     secagg: wire.SecaggInput | None = None,
@@ -727,7 +725,7 @@ def _indicator_request(
     if params is not None:
         model = {"model": cfg.model, "model_args": cfg.canonical_model_args, "parameters": params}
     return wire.IndicatorRequest(
-        **_common(cfg, purpose, rnd, node),
+        **_common(cfg, purpose, rnd),
         predicate=query.predicate,
         column=query.column,
         value=float(query.value),

@@ -97,11 +97,11 @@ def secagg_release(
         out.replies.reasons[f"secagg-aborted: {reason[:300]}"] += 1
         return out
 
-    def rid(step: str, node: int) -> str:
-        return f"{run_id}:{purpose}:{step}:r{rnd}:n{node}"
+    def rid(step: str) -> str:
+        return f"{run_id}:{purpose}:{step}:r{rnd}"
 
     # 1. keys
-    requests = {node: wire.SecaggKeysRequest(rid("keys", node), run_id, rnd, "secagg") for node in nodes}
+    requests = {node: wire.SecaggKeysRequest(rid("keys"), run_id, rnd, "secagg") for node in nodes}
     got = transport.send(wire.SECAGG_KEYS, {n: wire.encode_request(r) for n, r in requests.items()}, timeout=timeout)
     _merge(out.replies, got, "secagg-keys-")
     keys: dict[int, wire.SecaggKeysReply] = {}
@@ -132,7 +132,7 @@ def secagg_release(
     # 2. shares
     payloads: dict[int, Payload] = {
         node: wire.encode_request(
-            wire.SecaggSharesRequest(rid("shares", node), run_id, rnd, "secagg", keys[node].session, m, enc, mask)
+            wire.SecaggSharesRequest(rid("shares"), run_id, rnd, "secagg", keys[node].session, m, enc, mask)
         )
         for node in u1
     }
@@ -192,7 +192,7 @@ def secagg_release(
     # 4. unmask
     payloads = {
         u1[i]: wire.encode_request(
-            wire.SecaggUnmaskRequest(rid("unmask", u1[i]), run_id, rnd, "secagg", keys[u1[i]].session, u3)
+            wire.SecaggUnmaskRequest(rid("unmask"), run_id, rnd, "secagg", keys[u1[i]].session, u3)
         )
         for i in u3.tolist()
     }

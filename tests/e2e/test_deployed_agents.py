@@ -211,7 +211,7 @@ def test_killed_agent_keeps_every_spend_from_before_the_kill(scenario: Federatio
     assert crash["killed_pids_alive"] == []  # the SuperNode, its SuperExec and the ClientApp died
     assert before.request_ids <= after_kill.request_ids  # nothing committed before the kill was lost
     assert np.all(after_kill.spent >= before.spent)
-    assert "run-1:gradient:r1:n" in " ".join(sorted(before.request_ids))  # round 1 was answered and charged
+    assert "run-1:gradient:r1" in before.request_ids  # round 1 was answered and charged
     later = [scenario.results["after_run1"][0], scenario.results["after_run2"][0], scenario.results["after_run3"][0]]
     previous = after_kill
     for snap in later:
