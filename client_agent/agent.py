@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,33 @@ def load_client_data(path: os.PathLike[str] | str) -> tuple[NDArray[Any], NDArra
     if len(x) != len(y) or len(x) == 0:
         raise ValueError(f"data {path}: expected as many labels as records (> 0), got {len(x)} and {len(y)}")
     return x, y, hashlib.sha256(raw).hexdigest()
+
+
+_BLOCK_ROWS = 256  # rows per block: float64 temporaries of a few MB at any client size
+
+
+def _blockwise(rows: NDArray[Any], fn: Callable[[NDArray[Any]], NDArray[Any]], dtype: Any) -> NDArray[Any]:
+    """``fn`` applied to blocks of rows, one value per row (a row's value never depends on the blocking)."""
+    out = np.empty(len(rows), dtype=dtype)
+    for start in range(0, len(rows), _BLOCK_ROWS):
+        out[start : start + _BLOCK_ROWS] = fn(rows[start : start + _BLOCK_ROWS])
+    return out
+
+
+def _row_norms(rows: NDArray[np.float32]) -> NDArray[np.float64]:
+    """Each row's L2 norm, computed in float64: the values of ``np.linalg.norm(rows.astype(float64), axis=1)``."""
+    return _blockwise(rows, lambda block: np.linalg.norm(block.astype(np.float64), axis=1), np.float64)
+
+
+def _scaled(rows: NDArray[np.float32], scales: NDArray[np.float32]) -> NDArray[np.float32]:
+    """``rows * scales[:, None]``, in place where ``rows`` is writable; rows with scale 1 are not touched."""
+    if not rows.flags.writeable:
+        return rows * scales[:, None]
+    shrink = np.flatnonzero(scales != 1.0)
+    for start in range(0, shrink.size, _BLOCK_ROWS):
+        idx = shrink[start : start + _BLOCK_ROWS]
+        rows[idx] *= scales[idx, None]
+    return rows
 
 
 def _digest64(text: str) -> int:
@@ -330,6 +358,10 @@ class Agent:
     ) -> tuple[wire.ContributionReply | wire.MaskedInputReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
         """Clip, price, noise: the reply, the new filter state and the release record.
 
+        ``rows`` is this request's own array (from :meth:`contributions`): it is clipped in place,
+        and the norms are taken block by block, so a large client (60,000 x 26,010 floats) needs
+        no float64 copy of it.
+
         In secagg trust (``masked``) a unit's charge includes the fixed-point rounding slack
         sqrt(d) / 2^k (protocol.secagg.rounding_slack): it pays (||v|| + slack)^2 / sigma^2 against
         the total noise sigma, which every sum of >= m inputs carries. Its clip is
@@ -340,8 +372,10 @@ class Agent:
         # A unit whose contribution is not finite (an overflow at extreme parameters) contributes
         # the null element's zero and pays nothing. Refusing instead would answer, uncharged, a
         # question about the client's data: whether some record overflows (privacy.md §1, §2).
-        rows = np.where(np.isfinite(rows).all(axis=1, keepdims=True), rows, np.float32(0.0))
-        norms = np.linalg.norm(rows.astype(np.float64), axis=1)
+        finite = _blockwise(rows, lambda block: np.isfinite(block).all(axis=1), np.bool_)
+        if not finite.all():
+            rows = np.where(finite[:, None], rows, np.float32(0.0))
+        norms = _row_norms(rows)
         new_state = dict(state)
         kind = "gradient" if isinstance(request, wire.GradientRequest) else "indicator"
         if self.gaussian is not None:
@@ -350,9 +384,8 @@ class Agent:
             if slack:
                 room = sigma * np.sqrt(remaining(self.gaussian, fstate)) - slack
                 bounds = np.minimum(bounds, np.maximum(room, 0.0))
-            scales = clip_scales(norms, bounds, dtype_eps=FLOAT32_EPS).astype(np.float32)
-            clipped = rows * scales[:, None]
-            clipped_norms = np.linalg.norm(clipped.astype(np.float64), axis=1)
+            clipped = _scaled(rows, clip_scales(norms, bounds, dtype_eps=FLOAT32_EPS).astype(np.float32))
+            clipped_norms = _row_norms(clipped)
             if slack:
                 clipped_norms = np.where(clipped_norms > 0, clipped_norms + slack, 0.0)
             result = charge(self.gaussian, fstate, noise_std=sigma, l2_norms=clipped_norms)
@@ -375,9 +408,10 @@ class Agent:
             rstate = RealisationState(
                 loss=state["loss"], accepting=state["accepting"], answered=int(state["answered"][0])
             )
-            scales = clip_scales(norms, np.full(norms.size, clip), dtype_eps=FLOAT32_EPS).astype(np.float32)
-            clipped = rows * scales[:, None]
-            clipped_norms = np.linalg.norm(clipped.astype(np.float64), axis=1)
+            clipped = _scaled(
+                rows, clip_scales(norms, np.full(norms.size, clip), dtype_eps=FLOAT32_EPS).astype(np.float32)
+            )
+            clipped_norms = _row_norms(clipped)
             step = decide(self.realisation, rstate, mu=clipped_norms / sigma)
             clipped[~step.participating] = 0.0
             noise = self.rng(request.request_id).normal(0.0, sigma, rows.shape[1])

@@ -79,7 +79,11 @@ def per_example_gradients(
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
         grads = example_grads(params, x[start:stop], y[start:stop])
-        out[start:stop] = torch.cat([grads[name].reshape(stop - start, -1) for name in params], dim=1)
+        offset = 0
+        for name in params:  # straight into the result, no concatenated copy of the chunk
+            g = grads[name].reshape(stop - start, -1)
+            out[start:stop, offset : offset + g.shape[1]] = g
+            offset += g.shape[1]
     return out
 
 
