@@ -347,6 +347,48 @@ def plot_fig1(rows: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Test accuracy against step, one panel per epsilon, one line per regime and method (first full-scale trial)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    full = [r for r in rows if r["train_records"] == 60000 and r.get("accuracy_by_round")]
+    if not full:
+        return None
+    fig, axes = plt.subplots(1, len(EPSILONS), figsize=(4.2 * len(EPSILONS), 3.6), sharey=True)
+    styles = {"gd": "-", "renyi": "--", "gdp": ":"}
+    names = {"gd": "GD", "renyi": "GD + Rényi filter", "gdp": "GD + GDP filter"}
+    for ax, eps in zip(axes, EPSILONS, strict=True):
+        seen = set()
+        for r in full:
+            key = (r["regime"], r["method"])
+            if r["epsilon"] != eps or key in seen:
+                continue
+            seen.add(key)
+            steps = sorted(int(k) for k in r["accuracy_by_round"])  # JSON keys are strings
+            acc = [100 * r["accuracy_by_round"][k] for k in sorted(r["accuracy_by_round"], key=int)]
+            color = "tab:blue" if r["regime"] == "suboptimal" else "tab:orange"
+            ax.plot(
+                steps, acc, styles[r["method"]], color=color, marker=".", label=f"{r['regime']}: {names[r['method']]}"
+            )
+        ax.set_title(f"ε = {eps}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if seen:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not run", transform=ax.transAxes, ha="center", va="center", color="grey")
+    axes[0].set_ylabel("test accuracy (%)")
+    fig.suptitle("FZ Sec. 5.1 on MNIST: test accuracy against step (first trial of each cell)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def add_commands(sub: Any) -> None:
     """``fedfilter reproduce fz-mnist`` (run trials, append them) and ``fedfilter reproduce fz-mnist-report``."""
     p = sub.add_parser(
@@ -375,9 +417,12 @@ def add_commands(sub: Any) -> None:
     run.add_argument("--data-dir", type=Path, help="folder with the MNIST IDX files")
     run.add_argument("--engine", default="flower", choices=["flower", "inprocess"])
     run.set_defaults(handler=_run_cells)
-    rep = rsub.add_parser("fz-mnist-report", help="the table (markdown) and Fig. 1 (PNG) from the results file")
+    rep = rsub.add_parser(
+        "fz-mnist-report", help="the table (markdown), Fig. 1 and accuracy against step (PNG) from the results file"
+    )
     rep.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     rep.add_argument("--fig", type=Path, default=Path("docs/img/fz_fig1_active.png"))
+    rep.add_argument("--accuracy-fig", type=Path, default=Path("docs/img/fz_sec51_accuracy.png"))
     rep.set_defaults(handler=_run_report)
 
 
@@ -417,5 +462,7 @@ def _run_report(args: Any) -> int:
     rows = load_results(args.results)
     print(table_markdown(rows))
     fig = plot_fig1(rows, args.fig)
+    acc = plot_accuracy(rows, args.accuracy_fig)
     print(f"\n{len(rows)} trials in {args.results}; Fig. 1: {fig if fig else 'no filtered run at eps 0.3/0.5 yet'}")
+    print(f"accuracy against step: {acc if acc else 'no full-scale trial yet'}")
     return 0

@@ -21,6 +21,7 @@ from simulations.fz_mnist import (
     append_result,
     cell,
     load_results,
+    plot_accuracy,
     plot_fig1,
     run_trial,
     table_markdown,
@@ -125,9 +126,13 @@ def test_report_plots_fig1_from_full_scale_filtered_runs(tmp_path: Path) -> None
             "train_records": 60000,
             "active_per_round": [60000, 60000, 30000, 100],
             "final_accuracy": 0.9,
+            "accuracy_by_round": {"2": 0.5, "3": 0.9},  # as read back from the JSON lines file
         }
     ]
     assert plot_fig1(rows, tmp_path / "fig.png") == tmp_path / "fig.png"
+    assert plot_accuracy(rows, tmp_path / "acc.png") == tmp_path / "acc.png"
+    assert (tmp_path / "acc.png").stat().st_size > 1000
+    assert plot_accuracy([{**rows[0], "train_records": 600}], tmp_path / "none.png") is None
     assert (tmp_path / "fig.png").stat().st_size > 1000
     assert plot_fig1([{**rows[0], "train_records": 600}], tmp_path / "none.png") is None
     table = table_markdown(rows)
