@@ -36,6 +36,12 @@ def check_privacy(summary: dict, *, epsilon: float, delta: float, unit: str, tru
     assert f"({epsilon:g}, {delta:g})-differential privacy" in privacy["statement"]
 
 
+def local_indicator(**fields: object) -> CoordinatorConfig:
+    """An indicator run over the N_CLIENTS clients' records, noised by each client (sigma 3, clip 1)."""
+    base: dict[str, object] = {"num_nodes": N_CLIENTS, "noise_std": 3.0, "l2_clip": 1.0, "task": "indicator"}
+    return CoordinatorConfig(**{**base, "trust": "local", "unit": "record", "progress": False, **fields})  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("trust", "unit"), [("central", "record"), ("local", "client")])
 def test_gradient_task(tmp_path: Path, trust: str, unit: str) -> None:
     x, y = synthetic_classification(N_CLIENTS * 20 + 200, 5, 2, seed=3, separation=1.5)
@@ -79,20 +85,7 @@ def test_indicator_sparse_queries_beat_worst_case_fivefold(tmp_path: Path) -> No
     k, s = 60, 4
     parts = sparse_counting(N_CLIENTS, 50, k_queries=k, s_max=s, seed=4, profile="constant")
     per = write_clients(tmp_path, parts, epsilon=3.0, delta=1e-5, unit="record", trust="local", noise_seed=6)
-    cfg = CoordinatorConfig(
-        num_nodes=N_CLIENTS,
-        n_public=N_CLIENTS * 50,
-        rounds=k,
-        noise_std=3.0,
-        l2_clip=1.0,
-        task="indicator",
-        trust="local",
-        unit="record",
-        analyst="sweep",
-        query_columns=k,
-        run_id="sparse",
-        progress=False,
-    )
+    cfg = local_indicator(n_public=N_CLIENTS * 50, rounds=k, analyst="sweep", query_columns=k, run_id="sparse")
     summary = run_flower(cfg, per)
     assert summary["worst_case_queries"] == 4
     assert summary["queries_answered"] == k
@@ -111,20 +104,7 @@ def test_seeded_run_gives_the_same_answers_on_every_engine_and_every_run(tmp_pat
     # request id into its noise, so ids that named the node made two seeded runs differ (and made
     # the bound check above hold only with probability 1 - beta instead of reproducibly).
     parts = sparse_counting(N_CLIENTS, 20, k_queries=6, s_max=2, seed=9, profile="constant")
-    cfg = CoordinatorConfig(
-        num_nodes=N_CLIENTS,
-        n_public=N_CLIENTS * 20,
-        rounds=4,
-        noise_std=3.0,
-        l2_clip=1.0,
-        task="indicator",
-        trust="local",
-        unit="record",
-        analyst="sweep",
-        query_columns=6,
-        run_id="seeded",
-        progress=False,
-    )
+    cfg = local_indicator(n_public=N_CLIENTS * 20, rounds=4, analyst="sweep", query_columns=6, run_id="seeded")
     answers = []
     for name, engine in (("flower-1", "flower"), ("flower-2", "flower"), ("inprocess", "inprocess")):
         per = write_clients(
@@ -163,21 +143,14 @@ def test_tree_monitor_stops_local_indicator_run(tmp_path: Path) -> None:
         monitor_max_rounds=64,
         noise_seed=8,
     )
-    cfg = CoordinatorConfig(
-        num_nodes=N_CLIENTS,
+    cfg = local_indicator(
         n_public=2000,
         rounds=64,
-        noise_std=3.0,
-        l2_clip=1.0,
-        task="indicator",
-        trust="local",
-        unit="record",
         analyst="cycle",
         query_columns=4,
         monitor="tree",
         monitor_threshold=1250,
         run_id="tree",
-        progress=False,
     )
     summary = run_flower(cfg, per)
     assert summary["stopped_because"] == "monitor"
