@@ -307,7 +307,14 @@ class Agent:
             assert isinstance(request, (wire.GradientRequest, wire.IndicatorRequest))
             masked = None
             if request.secagg is not None:  # checked before any data is read
-                masked = self.secagg_context(request, request.secagg, request.noise_std, request.l2_clip)
+                masked = secagg_client.prepare_masked(
+                    self.ledger,
+                    request,
+                    request.secagg,
+                    noise_std=request.noise_std,
+                    n_units=self.n_units,
+                    l2_clip=request.l2_clip,
+                )
             rows = self.contributions(request)
             fault_point("after_compute")
             reply, new_state, release = self.release(request, rows, state, masked=masked)
@@ -326,19 +333,16 @@ class Agent:
         fault_point("after_commit")
         return Outcome(*unpack_reply(blob))
 
-    def secagg_context(
-        self, request: wire.Request, secagg: wire.SecaggInput, noise_std: float, l2_clip: float
-    ) -> secagg_client.MaskedContext:
-        """Step 3's session, shares and ranges, checked from public values before any data is read."""
-        return secagg_client.prepare_masked(
-            self.ledger, request, secagg, noise_std=noise_std, n_units=self.n_units, l2_clip=l2_clip
-        )
+    def rng(self, request: wire.Request) -> np.random.Generator:
+        """Noise source: OS entropy, or (simulations and tests) a seed mixed with the request's ledger id.
 
-    def rng(self, request_id: str) -> np.random.Generator:
-        """Noise source: OS entropy, or (simulations and tests) a seed mixed with the request id."""
+        The ledger id, not the request id: a masked input is stored under its session, so two
+        sessions may carry one request id, and the same seeded noise in both would cancel in the
+        difference of their sums. The ledger id is answered once, so no seeded draw repeats.
+        """
         if self.config.noise_seed is None:
             return np.random.default_rng()
-        return np.random.default_rng([self.config.noise_seed, _digest64(request_id)])
+        return np.random.default_rng([self.config.noise_seed, _digest64(secagg_client.ledger_id(request))])
 
     def contributions(self, request: wire.GradientRequest | wire.IndicatorRequest) -> NDArray[np.float32]:
         """Each unit's unclipped contribution, one row per unit (float32)."""
@@ -400,9 +404,7 @@ class Agent:
                 "refused": np.asarray(record.refused),
             }
             active_after = ~result.state.stopped
-            noise = (
-                self.rng(request.request_id).normal(0.0, sigma, rows.shape[1]) if self.config.trust == "local" else None
-            )
+            noise = self.rng(request).normal(0.0, sigma, rows.shape[1]) if self.config.trust == "local" else None
         else:
             assert self.realisation is not None
             rstate = RealisationState(
@@ -414,7 +416,7 @@ class Agent:
             clipped_norms = _row_norms(clipped)
             step = decide(self.realisation, rstate, mu=clipped_norms / sigma)
             clipped[~step.participating] = 0.0
-            noise = self.rng(request.request_id).normal(0.0, sigma, rows.shape[1])
+            noise = self.rng(request).normal(0.0, sigma, rows.shape[1])
             losses = np.where(
                 step.participating, realised_loss(contribution=clipped, noise=noise, noise_std=sigma), 0.0
             )
@@ -440,7 +442,7 @@ class Agent:
         total = clipped.sum(axis=0, dtype=np.float64)
         if masked is not None:
             release.update(masked.release_fields())
-            return secagg_client.masked_reply(masked, total, self.rng(request.request_id)), new_state, release
+            return secagg_client.masked_reply(masked, total, self.rng(request)), new_state, release
         if noise is not None:
             total = total + noise
         trust = self.config.trust
@@ -499,7 +501,9 @@ class Agent:
             raise PolicyError(f"monitor round {t} asked; the reserved tree covers at most {monitor.max_rounds} rounds")
         masked = None
         if request.secagg is not None:  # halt counts are at most n_units per node
-            masked = self.secagg_context(request, request.secagg, monitor.noise_std, 1.0)
+            masked = secagg_client.prepare_masked(
+                self.ledger, request, request.secagg, noise_std=monitor.noise_std, n_units=self.n_units, l2_clip=1.0
+            )
         halt = state["halt_round"]
         counts = np.zeros(monitor.levels)
         for level in range(monitor.levels):
@@ -508,8 +512,8 @@ class Agent:
                 counts[level] = np.count_nonzero((halt > t - width) & (halt <= t))
         if masked is not None:
             release = {"kind": np.array("monitor"), **masked.release_fields()}
-            return secagg_client.masked_reply(masked, counts, self.rng(request.request_id)), new_state, release
-        noisy = counts + self.rng(request.request_id).normal(0.0, monitor.noise_std, monitor.levels)
+            return secagg_client.masked_reply(masked, counts, self.rng(request)), new_state, release
+        noisy = counts + self.rng(request).normal(0.0, monitor.noise_std, monitor.levels)
         reply = wire.ContributionReply(
             request.request_id, wire.REPLY_OK, "local", monitor.noise_std, noisy.astype(np.float32)
         )

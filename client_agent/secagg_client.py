@@ -212,16 +212,11 @@ class MaskedContext:
 
     def release_fields(self) -> dict[str, NDArray[Any]]:
         """The peers' shares for step 4, stored with the charge of step 3."""
-
-        def table(values: list[int]) -> NDArray[np.uint8]:
-            raw = b"".join(sa.share_to_bytes(v) for v in values)
-            return np.frombuffer(raw, dtype=np.uint8).reshape(len(values), sa.SHARE_BYTES).copy()
-
         return {
             "round": np.array([self.session.roster.round]),
             "secagg_peers": self.peers,
-            "secagg_seed_shares": table([o.seed_share for o in self.opened]),
-            "secagg_key_shares": table([o.key_share for o in self.opened]),
+            "secagg_seed_shares": sa.share_table([o.seed_share for o in self.opened]),
+            "secagg_key_shares": sa.share_table([o.key_share for o in self.opened]),
             "secagg_noise_share_std": np.array([self.noise_std]),
         }
 

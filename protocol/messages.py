@@ -368,7 +368,7 @@ def _uint8_table(arrays: Mapping[str, Any], key: str, kind: str, *, rows: int | 
     arr = arrays[key]
     ok = isinstance(arr, np.ndarray) and arr.dtype == np.uint8 and arr.ndim == 2 and arr.shape[1] == width
     if not ok or (rows is not None and arr.shape[0] != rows) or arr.shape[0] > sa.MAX_CLIENTS:
-        found = f"{arr.dtype}{arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        found = sa.found_array(arr)
         want = f"uint8[{rows if rows is not None else 'n'}, {width}]"
         raise ProtocolError(f"{kind}: array {key!r} must be {want}, got {found}")
     out: NDArray[np.uint8] = arr
@@ -381,7 +381,7 @@ def _index_list(arrays: Mapping[str, Any], key: str, kind: str) -> NDArray[np.in
         raise ProtocolError(f"{kind}: missing array {key!r}")
     arr = arrays[key]
     if not isinstance(arr, np.ndarray) or arr.dtype != np.int64 or arr.ndim != 1 or arr.size > sa.MAX_CLIENTS:
-        found = f"{arr.dtype}{arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        found = sa.found_array(arr)
         raise ProtocolError(f"{kind}: array {key!r} must be a 1-d int64 list of roster indices, got {found}")
     return arr
 
@@ -579,7 +579,7 @@ class StatusReply:
 def _key_bytes(arrays: Mapping[str, Any], key: str, kind: str) -> NDArray[np.uint8]:
     arr = arrays.get(key)
     if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.shape != (sa.KEY_BYTES,):
-        found = f"{arr.dtype}{arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        found = sa.found_array(arr)
         raise ProtocolError(f"{kind}: array {key!r} must be uint8[{sa.KEY_BYTES}], got {found}")
     return arr
 
@@ -659,7 +659,7 @@ class MaskedInputReply:
         _no_extra(config, arrays, kind, {"request_id", "session"}, {"masked"})
         masked = arrays.get("masked")
         if not isinstance(masked, np.ndarray) or masked.dtype != np.uint64 or masked.shape != (size,):
-            found = f"{masked.dtype}{masked.shape}" if isinstance(masked, np.ndarray) else type(masked).__name__
+            found = sa.found_array(masked)
             raise ProtocolError(f"{kind}: array 'masked' must be uint64[{size}], got {found}")
         return cls(request_id=_str(config, "request_id", kind), session=_str(config, "session", kind), masked=masked)
 

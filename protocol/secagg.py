@@ -99,6 +99,11 @@ class FixedPointOverflow(SecaggError):
     """A value outside the fixed-point range it must fit (an error, never a wrap-around)."""
 
 
+def found_array(value: object) -> str:
+    """How an error names what it found where an array was expected: ``dtype(shape)``, or the type's name."""
+    return f"{value.dtype}{value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
+
+
 # --- fixed point ----------------------------------------------------------------------------
 
 
@@ -368,6 +373,12 @@ def share_to_bytes(share: int) -> bytes:
     return share.to_bytes(SHARE_BYTES, "little")
 
 
+def share_table(shares: Sequence[int]) -> NDArray[np.uint8]:
+    """uint8[len(shares), SHARE_BYTES]: one share per row, as :func:`share_to_bytes` writes it."""
+    raw = b"".join(share_to_bytes(s) for s in shares)
+    return np.frombuffer(raw, dtype=np.uint8).reshape(len(shares), SHARE_BYTES).copy()
+
+
 def share_from_bytes(raw: bytes, *, what: str) -> int:
     if len(raw) != SHARE_BYTES:
         raise SecaggError(f"{what}: expected a {SHARE_BYTES}-byte share, got {len(raw)} bytes")
@@ -407,7 +418,7 @@ class ClientSecrets:
 
 def _key_table(name: str, keys: object) -> NDArray[np.uint8]:
     if not isinstance(keys, np.ndarray) or keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_BYTES:
-        found = f"{keys.dtype}{keys.shape}" if isinstance(keys, np.ndarray) else type(keys).__name__
+        found = found_array(keys)
         raise SecaggError(f"{name}: expected uint8[n, {KEY_BYTES}], got {found}")
     return keys
 
@@ -468,7 +479,7 @@ class Roster:
     def check_peers(self, peers: object, *, name: str, own: int | None = None) -> NDArray[np.int64]:
         """A strictly increasing int64 list of at least m roster indices (containing ``own`` when given)."""
         if not isinstance(peers, np.ndarray) or peers.dtype != np.int64 or peers.ndim != 1:
-            found = f"{peers.dtype}{peers.shape}" if isinstance(peers, np.ndarray) else type(peers).__name__
+            found = found_array(peers)
             raise SecaggError(f"{name}: expected an int64 list of roster indices, got {found}")
         if peers.size and (peers[0] < 0 or peers[-1] >= self.size or np.any(np.diff(peers) <= 0)):
             raise SecaggError(f"{name}: expected strictly increasing indices in [0, {self.size}), got {peers.tolist()}")
@@ -598,9 +609,7 @@ def reveal(opened: Iterable[OpenedShare], survivors: NDArray[np.int64]) -> Revea
     keys = [(o.src, o.key_share) for o in opened if o.src not in alive]
 
     def table(items: list[tuple[int, int]]) -> tuple[NDArray[np.int64], NDArray[np.uint8]]:
-        peers = np.array([p for p, _ in items], dtype=np.int64)
-        raw = b"".join(share_to_bytes(s) for _, s in items)
-        return peers, np.frombuffer(raw, dtype=np.uint8).reshape(len(items), SHARE_BYTES).copy()
+        return np.array([p for p, _ in items], dtype=np.int64), share_table([s for _, s in items])
 
     return Revealed(*table(seeds), *table(keys))
 
@@ -612,7 +621,7 @@ def _share_rows(name: str, peers: object, shares: object) -> dict[int, int]:
     if not isinstance(peers, np.ndarray) or peers.dtype != np.int64 or peers.ndim != 1:
         raise SecaggError(f"{name}: expected an int64 list of peers, got {peers!r:.60}")
     if not isinstance(shares, np.ndarray) or shares.dtype != np.uint8 or shares.shape != (peers.size, SHARE_BYTES):
-        found = f"{shares.dtype}{shares.shape}" if isinstance(shares, np.ndarray) else type(shares).__name__
+        found = found_array(shares)
         raise SecaggError(f"{name}: expected uint8[{peers.size}, {SHARE_BYTES}], got {found}")
     out = {}
     for p, row in zip(peers.tolist(), shares, strict=True):
@@ -676,7 +685,7 @@ def unmask_sum(
     for v in sorted(u3):
         y = masked[v]
         if not isinstance(y, np.ndarray) or y.dtype != np.uint64 or y.shape != (dim,):
-            found = f"{y.dtype}{y.shape}" if isinstance(y, np.ndarray) else type(y).__name__
+            found = found_array(y)
             raise SecaggError(f"masked input of client {v}: expected uint64[{dim}], got {found}")
         total += y
         seed = _secret_bytes(shamir_reconstruct(seed_points[v], threshold=roster.threshold, coefficients=lam))
