@@ -103,6 +103,21 @@ def gradient_config(nodes: int, **over: Any) -> CoordinatorConfig:
     return CoordinatorConfig(**(base | over))
 
 
+def count_config(nodes: int, **over: Any) -> CoordinatorConfig:
+    """A secagg counting run (indicator task, client units) at the module's SIGMA and CLIP."""
+    base: dict[str, Any] = dict(
+        num_nodes=nodes,
+        n_public=nodes,
+        rounds=1,
+        noise_std=SIGMA,
+        l2_clip=CLIP,
+        task="indicator",
+        trust="secagg",
+        unit="client",
+    )
+    return CoordinatorConfig(**(base | over))
+
+
 def label_count(agent: Agent) -> float:
     return float(np.sum(agent.y == 1))
 
@@ -147,7 +162,8 @@ def test_sum_is_the_plain_sum_of_the_clients_counts(tmp_path: Path, no_noise: No
     result = session(AgentTransport(group), 3)
     assert result.total is not None and result.counts == {"advertised": 5, "shared": 5, "masked": 5, "unmasked": 5}
     assert result.total[0] == sum(label_count(a) for a in group.values())  # exact: integers on a 2^24 grid
-    assert result.noise_var == pytest.approx(5 * SIGMA**2 / 3)  # 5 shares of N(0, sigma^2 / m), m = 3
+    # 5 independent shares of N(0, sigma^2 / m), m = 3 (protocol/secagg.py, distributed noise): variances add.
+    assert result.noise_var == pytest.approx(5 * SIGMA**2 / 3)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +182,7 @@ def test_dropouts_below_the_threshold_are_recovered(
     assert result.total is not None, result.counts
     assert result.total[0] == sum(label_count(group[n]) for n in survivors)
     assert result.counts["masked"] == len(survivors)
-    assert result.noise_var == pytest.approx(len(survivors) * SIGMA**2 / 3)
+    assert result.noise_var == pytest.approx(len(survivors) * SIGMA**2 / 3)  # one N(0, sigma^2 / 3) share per survivor
 
 
 def test_dropouts_above_the_threshold_release_nothing(tmp_path: Path) -> None:
@@ -192,6 +208,8 @@ def test_charge_is_committed_with_the_masked_input_and_replays(tmp_path: Path) -
     slack = sa.rounding_slack(1, BITS)
     for agent in group.values():
         spent = agent.ledger.state()["spent"]
+        # mu^2 = (||v|| + sqrt(d) / 2^k)^2 / sigma^2: privacy.md §2's cost with the grid-rounding slack of
+        # protocol/secagg.py (d = 1, k = BITS); ||v|| is the client's label count (client unit, C = 100 > 10).
         assert spent[0] == pytest.approx(((label_count(agent) + slack) / SIGMA) ** 2, rel=1e-12)
         assert verify_ledger(agent.config.ledger_path) == []  # replaying the stored releases rebuilds the spend
         kinds = [str(rel["kind"]) for _, _, rel in agent.ledger.releases()]
@@ -328,25 +346,14 @@ def test_run_in_secagg_trust_with_an_aborted_round(tmp_path: Path, no_noise: Non
             self.drop = {wire.INDICATOR: {1000, 1001, 1002}} if rnd == 2 else {}
             return super().send(message_type, payloads, timeout=timeout)
 
-    cfg = CoordinatorConfig(
-        num_nodes=5,
-        n_public=5,
-        rounds=3,
-        noise_std=SIGMA,
-        l2_clip=CLIP,
-        task="indicator",
-        trust="secagg",
-        unit="client",
-        run_id="run",
-        progress=False,
-        secagg_min_clients=3,
-    )
+    cfg = count_config(5, rounds=3, run_id="run", progress=False, secagg_min_clients=3)
     summary = run(LoseRound2(group), cfg, analyst=lambda answers: Query("label", 0, 1.0))
     assert [a["round"] for a in summary["answers"]] == [1, 3]
     expected = sum(label_count(a) for a in group.values())
     assert all(a["value"] == expected for a in summary["answers"])
     assert summary["rounds"][1]["secagg"]["aborted"] == "2 masked inputs arrived, fewer than m = 3"
     assert summary["rounds"][1]["answer"] is None and summary["rounds"][1]["errors"]["secagg-aborted"] == 1
+    # Round 1: 5 masked inputs, each with an N(0, sigma^2 / 3) share: std sigma sqrt(5 / 3).
     assert summary["rounds"][0]["release_noise_std"] == pytest.approx(SIGMA * np.sqrt(5 / 3))
     privacy = summary["privacy"]
     assert privacy["trust"] == "secagg" and privacy["secagg"]["min_clients"] == 3
@@ -371,11 +378,13 @@ def test_tree_monitor_under_secagg_counts_exactly_without_noise(tmp_path: Path, 
     )
     summary = run(AgentTransport(group), cfg)
     halts = np.concatenate([a.ledger.state()["halt_round"] for a in group.values()])
-    assert summary["stopped_because"] == "monitor"
+    assert summary["stopped_because"] == "monitor" and summary["rounds"]
     for log in summary["rounds"]:
         t = log["round"]
         exact = int(np.sum((halts < 0) | (halts > t)))
         assert log["monitor"]["active_estimate"] == exact
+        # Each of the 4 clients adds N(0, sigma_m^2 / m) to a tree node (sigma_m = 10, m = 3), and the prefix
+        # count at t sums the dyadic nodes covering [1, t] (privacy.md §7, DNPR): 10 sqrt(4/3) sqrt(#nodes).
         assert log["monitor"]["estimate_std"] == pytest.approx(10.0 * np.sqrt(4 / 3) * np.sqrt(len(_nodes(t))))
 
 
@@ -405,16 +414,7 @@ def test_bad_secagg_coordinator_config(over: dict[str, Any], message: str) -> No
 
 def test_enrolment_needs_m_clients(tmp_path: Path) -> None:
     group = agents(tmp_path, 2)
-    cfg = CoordinatorConfig(
-        num_nodes=2,
-        n_public=1,
-        rounds=1,
-        noise_std=SIGMA,
-        l2_clip=CLIP,
-        task="indicator",
-        trust="secagg",
-        unit="client",
-    )
+    cfg = count_config(2, n_public=1)
     assert default_min_clients(2) == 2 and default_min_clients(10) == 7  # max(2, ceil(2n/3)): ceil(20/3) = 7
     transport = AgentTransport(group, {wire.STATUS: {1001}})
     with pytest.raises(EnrolmentError, match="secagg: m = 2 clients per sum asked; only 1 clients enrolled"):
@@ -460,8 +460,10 @@ def test_private_plateau_count_runs_as_its_own_session(tmp_path: Path, no_noise:
         c["request_id"].split(":")[1] for kind, p in transport.sent if kind == wire.SECAGG_KEYS for c, _ in p.values()
     }
     assert purposes == {"gradient", "plateau"}
+    assert summary["rounds_completed"] == 2 and len(summary["rounds"]) == 2
     for log in summary["rounds"]:
         accuracy = log["metrics"]["train_accuracy_private"]
+        # 3 clients x 10 records (node_config): an exact count over n = 30 is a multiple of 1/30.
         assert accuracy * 30 == pytest.approx(round(accuracy * 30), abs=1e-9) and 0 <= accuracy <= 1
         assert not log["errors"]
 
@@ -511,3 +513,41 @@ def test_ids_with_the_reserved_separator_are_refused(field: str) -> None:
         config = {"request_id": "r1", "run_id": "run", "round": 1, "trust": "secagg", "session": "S|masked"}
     with pytest.raises(wire.ProtocolError, match=rf"'{field}' must not contain '\|' \(reserved\)"):
         wire.decode_request(mtype, config, {})
+
+
+def test_two_sessions_never_reuse_a_noise_share_even_under_one_request_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded noise is keyed by where the release is stored, not by the coordinator's request id.
+
+    The masked step is stored under '<session>|masked', so two sessions may carry the same request
+    id; the same noise share in both would cancel in the difference of the two released sums.
+    """
+    draws: list[np.ndarray] = []
+    real = sa.rounded_gaussian
+
+    def recording(rng: np.random.Generator, *, noise_std: float, scale_bits: int, size: int) -> np.ndarray:
+        out = real(rng, noise_std=noise_std, scale_bits=scale_bits, size=size)
+        draws.append(out)
+        return out
+
+    monkeypatch.setattr(sa, "rounded_gaussian", recording)
+    transport = AgentTransport(agents(tmp_path, 3))
+    for purpose in ("first", "second"):  # two sessions; ``count_request`` gives both the same request ids
+        result = secagg_release(
+            transport,
+            run_id="run",
+            rnd=1,
+            purpose=purpose,
+            nodes=sorted(transport.agents),
+            settings=SecaggSettings(min_clients=2, scale_bits=BITS),
+            kind=wire.INDICATOR,
+            build=lambda node, s: count_request(node, s),
+            size=1,
+            noise_std=SIGMA,
+            timeout=1.0,
+        )
+        assert result.total is not None
+    masked = [p for kind, p in transport.sent if kind == wire.INDICATOR]
+    assert [c["request_id"] for c, _ in masked[0].values()] == [c["request_id"] for c, _ in masked[1].values()]
+    assert len(draws) == 6 and len({d.tobytes() for d in draws}) == 6  # 3 clients x 2 sessions, all distinct
