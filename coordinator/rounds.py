@@ -107,11 +107,13 @@ def _accepted(status: dict[str, Any]) -> dict[str, Any]:
     monitor = ledger.get("params", {}).get("monitor") if isinstance(ledger.get("params"), dict) else None
     if not isinstance(monitor, dict):
         raise wire.ProtocolError(f"status reply: expected a monitor reservation object, got {monitor!r:.80}")
-    needed = {"svt": ("epsilon_svt",), "tree": ("noise_std", "max_rounds", "squared_cost")}.get(monitor.get("kind"), ())
+    needed = {"svt": ("epsilon_svt",), "tree": ("noise_std", "max_rounds", "squared_cost")}.get(
+        str(monitor.get("kind")), ()
+    )
     for key in needed:
         value = monitor.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise wire.ProtocolError(f"status reply: monitor {key!r} must be a finite number >= 0, got {value!r:.80}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise wire.ProtocolError(f"status reply: monitor {key!r} must be a finite number > 0, got {value!r:.80}")
     if monitor.get("kind") == "tree":
         for key in ("max_rounds", "levels"):
             value = monitor.get(key)
@@ -119,8 +121,14 @@ def _accepted(status: dict[str, Any]) -> dict[str, Any]:
                 raise wire.ProtocolError(f"status reply: monitor {key!r} must be an integer >= 1, got {value!r:.80}")
     if not float(ledger["delta"]) < 1:
         raise wire.ProtocolError(f"status reply: ledger 'delta' must be in (0, 1), got {ledger['delta']!r:.80}")
-    if not isinstance(status.get("policy", {}), dict):
-        raise wire.ProtocolError(f"status reply: expected a 'policy' object, got {status.get('policy')!r:.80}")
+    policy = status.get("policy", {})
+    if not isinstance(policy, dict):
+        raise wire.ProtocolError(f"status reply: expected a 'policy' object, got {policy!r:.80}")
+    floor = policy.get("min_secagg_clients", 2)
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 2:
+        raise wire.ProtocolError(
+            f"status reply: policy 'min_secagg_clients' must be an integer >= 2, got {floor!r:.80}"
+        )
     return status
 
 
@@ -245,8 +253,7 @@ def _secagg_settings(
     m = cfg.secagg_min_clients or default_min_clients(len(statuses))
     if m > len(statuses):
         raise EnrolmentError(f"secagg: m = {m} clients per sum asked; only {len(statuses)} clients enrolled")
-    floors = [s.get("policy", {}).get("min_secagg_clients", 2) for s in statuses.values()]
-    floor = max(int(f) if isinstance(f, int) and not isinstance(f, bool) else 2 for f in floors)
+    floor = max(int(s.get("policy", {}).get("min_secagg_clients", 2)) for s in statuses.values())  # checked: _accepted
     if m < floor:
         raise EnrolmentError(f"the clients did not accept this run: secagg m = {m} asked; a client requires >= {floor}")
     levels = 0
@@ -408,6 +415,9 @@ def _monitor_round(
     errors: Counter[str],
     secagg: SecaggSettings | None = None,
 ) -> Verdict:
+    def request(secagg_input: wire.SecaggInput | None = None) -> wire.MonitorRequest:
+        return wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}", cfg.run_id, rnd, cfg.trust, secagg_input)
+
     if secagg is not None:
         assert isinstance(monitor, TreeMonitor)
         masked = _secagg(
@@ -418,7 +428,7 @@ def _monitor_round(
             rnd,
             "monitor",
             wire.MONITOR,
-            lambda node, s: wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}", cfg.run_id, rnd, cfg.trust, s),
+            lambda node, s: request(s),
             secagg.monitor_levels,
             secagg.monitor_noise_std,
         )
@@ -426,12 +436,9 @@ def _monitor_round(
             errors[f"monitor-{name}"] += count
         # An aborted session leaves round t's nodes at 0 (their halts are lost: the estimate errs towards
         # "more active", as with a client that misses a round in local trust).
-        reports = [] if masked.total is None else [(masked.total[: monitor.levels], math.sqrt(masked.noise_var))]
-        return monitor.add_round(rnd, reports)
-    payloads = {
-        node: wire.encode_request(wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}", cfg.run_id, rnd, cfg.trust))
-        for node in nodes
-    }
+        summed = [] if masked.total is None else [(masked.total[: monitor.levels], math.sqrt(masked.noise_var))]
+        return monitor.add_round(rnd, summed)
+    payloads = {node: wire.encode_request(request()) for node in nodes}
     got = transport.send(wire.MONITOR, payloads, timeout=cfg.round_timeout)
     for name, count in got.errors.items():
         errors[f"monitor-{name}"] += count
@@ -495,6 +502,12 @@ def run(
     """Run the configured task to its stop; returns the summary (also written to ``output_dir``)."""
     started = time.monotonic()
     rng = noise_rng(cfg)
+    params = np.zeros(1, dtype=np.float32)
+    if cfg.task == "gradient":  # first: model_args the model does not take fail before any client is asked
+        params = flatten_parameters(build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args)))
+        params = params.astype(np.float32)
+    elif analyst is None:
+        analyst = build_analyst(cfg.analyst, rounds=cfg.rounds, columns=cfg.query_columns or cfg.rounds)
     enrolment = enrol(transport, cfg)  # before any output is written: a refused run leaves no partial files
     writer = RunWriter(cfg.output_dir)
     nodes = enrolment.nodes
@@ -504,13 +517,6 @@ def run(
     elif cfg.monitor == "tree":
         monitor = TreeMonitor(threshold=cfg.monitor_threshold, n_units=cfg.n_public, levels=tree_levels(cfg.rounds))
     progress = Progress(cfg.rounds, stream=progress_stream, enabled=cfg.progress)
-
-    params = np.zeros(1, dtype=np.float32)
-    if cfg.task == "gradient":
-        params = flatten_parameters(build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args)))
-        params = params.astype(np.float32)
-    elif analyst is None:
-        analyst = build_analyst(cfg.analyst, rounds=cfg.rounds, columns=cfg.query_columns or cfg.rounds)
     answers: list[Answer] = []
     logs: list[RoundLog] = []
     errors_total: Counter[str] = Counter()

@@ -28,6 +28,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -100,21 +101,32 @@ def secagg_release(
     def rid(step: str) -> str:
         return f"{run_id}:{purpose}:{step}:r{rnd}"
 
+    session = rid("keys")  # the keys request's id names the session, on every client alike
+
+    def decoded(got: RoundReplies, asked: Sequence[int], name: str, decode: Callable[..., Any]) -> dict[int, Any]:
+        """The replies of ``asked`` that decode and belong to this session; the others counted under ``name``."""
+        ok: dict[int, Any] = {}
+        for node in asked:
+            if node not in got.replies:
+                continue
+            try:
+                reply = decode(*got.replies[node])
+            except wire.ProtocolError as exc:
+                out.replies.error(name, str(exc))
+                continue
+            if reply.session != session:
+                out.replies.error(name, f"a reply for another session, {str(reply.session)[:80]!r}")
+                continue
+            ok[node] = reply
+        return ok
+
     # 1. keys
-    requests = {node: wire.SecaggKeysRequest(rid("keys"), run_id, rnd, "secagg") for node in nodes}
-    got = transport.send(wire.SECAGG_KEYS, {n: wire.encode_request(r) for n, r in requests.items()}, timeout=timeout)
+    keys_request = wire.SecaggKeysRequest(session, run_id, rnd, "secagg")
+    got = transport.send(wire.SECAGG_KEYS, {n: wire.encode_request(keys_request) for n in nodes}, timeout=timeout)
     _merge(out.replies, got, "secagg-keys-")
-    keys: dict[int, wire.SecaggKeysReply] = {}
-    for node, (config, arrays) in got.replies.items():
-        try:
-            reply = wire.SecaggKeysReply.decode(config, arrays)
-        except wire.ProtocolError as exc:
-            out.replies.error("secagg-keys-malformed-reply", str(exc))
-            continue
-        if reply.session != requests[node].request_id:
-            out.replies.error("secagg-keys-malformed-reply", "a keys reply for another session")
-            continue
-        keys[node] = reply
+    keys: dict[int, wire.SecaggKeysReply] = decoded(
+        got, nodes, "secagg-keys-malformed-reply", wire.SecaggKeysReply.decode
+    )
     seen = Counter(bytes(r.encryption_key) for r in keys.values()) + Counter(
         bytes(r.masking_key) for r in keys.values()
     )
@@ -130,24 +142,13 @@ def secagg_release(
     roster = sa.Roster(run_id, rnd, m, enc, mask)
 
     # 2. shares
-    payloads: dict[int, Payload] = {
-        node: wire.encode_request(
-            wire.SecaggSharesRequest(rid("shares"), run_id, rnd, "secagg", keys[node].session, m, enc, mask)
-        )
-        for node in u1
-    }
-    got = transport.send(wire.SECAGG_SHARES, payloads, timeout=timeout)
+    shares_request = wire.SecaggSharesRequest(rid("shares"), run_id, rnd, "secagg", session, m, enc, mask)
+    got = transport.send(wire.SECAGG_SHARES, {n: wire.encode_request(shares_request) for n in u1}, timeout=timeout)
     _merge(out.replies, got, "secagg-shares-")
-    sealed: dict[int, np.ndarray] = {}
-    for i, node in enumerate(u1):
-        if node not in got.replies:
-            continue
-        try:
-            shares = wire.SecaggSharesReply.decode(*got.replies[node], roster_size=roster.size)
-        except wire.ProtocolError as exc:
-            out.replies.error("secagg-shares-malformed-reply", str(exc))
-            continue
-        sealed[i] = shares.ciphertexts
+    shares = decoded(
+        got, u1, "secagg-shares-malformed-reply", partial(wire.SecaggSharesReply.decode, roster_size=roster.size)
+    )
+    sealed: dict[int, np.ndarray] = {i: shares[node].ciphertexts for i, node in enumerate(u1) if node in shares}
     u2 = np.array(sorted(sealed), dtype=np.int64)
     out.counts["shared"] = int(u2.size)
     if u2.size < m:
@@ -155,11 +156,11 @@ def secagg_release(
 
     # 3. masked inputs
     bound = sa.value_bound_for(roster.size)
-    payloads = {}
+    payloads: dict[int, Payload] = {}
     for i in u2.tolist():
         node = u1[i]
         secagg = wire.SecaggInput(
-            session=keys[node].session,
+            session=session,
             scale_bits=settings.scale_bits,
             value_bound=bound,
             peers=u2,
@@ -169,47 +170,29 @@ def secagg_release(
     got = transport.send(kind, payloads, timeout=timeout)
     _merge(out.replies, got, "")
     out.replies.missing = got.missing
-    masked: dict[int, np.ndarray] = {}
-    for i in u2.tolist():
-        node = u1[i]
-        if node not in got.replies:
-            continue
-        try:
-            masked_reply = wire.MaskedInputReply.decode(*got.replies[node], size=size)
-        except wire.ProtocolError as exc:
-            out.replies.error("malformed-reply", str(exc))
-            continue
-        if masked_reply.session != keys[node].session:
-            out.replies.error("malformed-reply", "a masked input for another session")
-            continue
-        masked[i] = masked_reply.masked
-        out.replies.replies[node] = got.replies[node]
+    inputs = decoded(
+        got, [u1[i] for i in u2.tolist()], "malformed-reply", partial(wire.MaskedInputReply.decode, size=size)
+    )
+    masked: dict[int, np.ndarray] = {i: inputs[u1[i]].masked for i in u2.tolist() if u1[i] in inputs}
+    out.replies.replies.update({node: got.replies[node] for node in inputs})
     u3 = np.array(sorted(masked), dtype=np.int64)
     out.counts["masked"] = int(u3.size)
     if u3.size < m:
         return abort(f"{u3.size} masked inputs arrived, fewer than m = {m}")
 
     # 4. unmask
-    payloads = {
-        u1[i]: wire.encode_request(
-            wire.SecaggUnmaskRequest(rid("unmask"), run_id, rnd, "secagg", keys[u1[i]].session, u3)
-        )
-        for i in u3.tolist()
-    }
-    got = transport.send(wire.SECAGG_UNMASK, payloads, timeout=timeout)
+    unmask_request = wire.SecaggUnmaskRequest(rid("unmask"), run_id, rnd, "secagg", session, u3)
+    got = transport.send(
+        wire.SECAGG_UNMASK, {u1[i]: wire.encode_request(unmask_request) for i in u3.tolist()}, timeout=timeout
+    )
     _merge(out.replies, got, "secagg-unmask-")
+    answers = decoded(got, [u1[i] for i in u3.tolist()], "secagg-unmask-malformed-reply", wire.SecaggUnmaskReply.decode)
     dropped = sorted(set(u2.tolist()) - set(u3.tolist()))
     revealed: dict[int, sa.Revealed] = {}
     for i in u3.tolist():
-        node = u1[i]
-        if node not in got.replies:
+        if u1[i] not in answers:
             continue
-        try:
-            answer = wire.SecaggUnmaskReply.decode(*got.replies[node])
-        except wire.ProtocolError as exc:
-            out.replies.error("secagg-unmask-malformed-reply", str(exc))
-            continue
-        r = answer.revealed
+        r = answers[u1[i]].revealed
         if r.seed_peers.tolist() != u3.tolist() or r.key_peers.tolist() != dropped:
             out.replies.error("secagg-unmask-malformed-reply", "shares for other peers than U3 and U2 \\ U3")
             continue

@@ -73,7 +73,7 @@ class FlowerTransport:
                 out.error("unmatched", "a reply to no request of this round")
                 continue
             if reply.has_error():
-                out.error(wire.error_name(reply.error.code), reply.error.reason)
+                out.error(wire.error_name(reply.error.code), reply.error.reason or "")
                 continue
             try:
                 out.replies[node] = decode_content(reply.content)

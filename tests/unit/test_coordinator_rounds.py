@@ -270,3 +270,28 @@ def test_client_whose_budget_is_empty_after_its_reservation_is_refused_at_enrolm
     with pytest.raises(EnrolmentError, match="leaves nothing after its monitor reservation"):
         run(scripted, cfg)
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    ("monitor", "policy"),
+    [
+        ({"kind": "tree", "noise_std": 0.0, "max_rounds": 4, "squared_cost": 3.0, "levels": 3}, {}),
+        ({"kind": "none"}, {"min_secagg_clients": 1.5}),
+    ],
+)
+def test_status_with_a_zero_noise_tree_or_a_bad_secagg_floor_is_malformed(
+    monitor: dict[str, Any], policy: dict[str, Any]
+) -> None:
+    # privacy.md §3: a noise parameter <= 0 is an error, not a default; a floor that is not an integer is not read as 2.
+    raw = json.loads(status(trust="local", monitor=monitor)) | {"policy": policy}
+    scripted = Scripted({n: json.dumps(raw) for n in NODES}, {}, "local")
+    cfg = config(trust="local", monitor=monitor["kind"], monitor_threshold=1 if monitor["kind"] == "tree" else 0)
+    with pytest.raises(EnrolmentError, match=r"no client enrolled: \{'malformed-status': 3\}"):
+        run(scripted, cfg)
+
+
+def test_model_args_the_model_does_not_take_fail_before_any_client_is_asked(tmp_path: Path) -> None:
+    scripted = Scripted({n: status(trust="central") for n in NODES}, {}, "central")
+    with pytest.raises(ValueError, match=r"model 'logreg': expected parameters \['in_features', 'n_classes'\]"):
+        run(scripted, config(model_args=json.dumps({"no_such_arg": 1}), output_dir=str(tmp_path / "out")))
+    assert scripted.sent == [] and not (tmp_path / "out").exists()
