@@ -45,6 +45,9 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=200, help="records per client (784 features, 10 classes)")
     parser.add_argument("--keep", action="store_true", help="keep the working folder (logs, ledgers, runs)")
     args = parser.parse_args()
+    for name in ("clients", "rounds", "records"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}: expected an integer >= 1, got {getattr(args, name)}")
 
     root = Path(tempfile.mkdtemp(prefix="fedfilter-deploy-bench-"))
     x, y = synthetic_classification(args.clients * args.records, 784, 10, seed=0, separation=3.0)
@@ -84,9 +87,9 @@ def main() -> None:
         started = time.monotonic()
         dep.start_superlink()
         for i, toml in enumerate(tomls):
-            key = make_node_keys(root / "keys" / f"agent{i}").private
-            dep.register(key.with_name(key.name + ".pub"))
-            dep.start_agent(f"agent{i}", toml, key)
+            keys = make_node_keys(root / "keys" / f"agent{i}")
+            dep.register(keys.public)
+            dep.start_agent(f"agent{i}", toml, keys.private)
         setup_s = time.monotonic() - started
         deployed = dep.run(app, {**run_config, "run-id": "bench-deployed"}, timeout=3600)
     dep_rounds = [float(r["duration_s"]) for r in deployed["rounds"]]

@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.rounds < 2:  # the first round is left out of the median
+        parser.error(f"--rounds: expected an integer >= 2, got {args.rounds}")
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="fedfilter-secagg-bench-"))
     d = parameter_count(build_model("mlp", **MODEL_ARGS))

@@ -134,10 +134,8 @@ def fedfilter_round_times(per: dict[int, dict[str, Any]], rounds: int, out: Path
         progress=False,
     )
     summary = run_flower(cfg, per)
-    lines = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
-    durations = [r["duration_s"] for r in lines if r.get("round", 0) >= 2]  # round 1 warms up the actors
     assert summary["rounds_completed"] == rounds + 1, summary["stopped_because"]
-    return durations
+    return [r["duration_s"] for r in summary["rounds"] if r["round"] >= 2]  # round 1 warms up the actors
 
 
 def throughput(records: int) -> None:
@@ -173,6 +171,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--records", type=int, default=2000, help="MNIST records for the throughput part")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected an integer >= 1, got {args.rounds}")
     torch.set_num_threads(2)
     print(f"(1) round time on Flower's simulation engine (Ray, {os.cpu_count()} CPUs), {args.rounds} rounds each")
     for clients in args.clients:

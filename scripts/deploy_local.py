@@ -31,7 +31,7 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 from client_agent.ledger_report import ledger_summary  # noqa: E402
 from simulations.deploy import demo_parts, make_node_keys, write_agent_files  # noqa: E402
-from simulations.local_deployment import LocalDeployment  # noqa: E402
+from simulations.local_deployment import DeploymentError, LocalDeployment  # noqa: E402
 
 RECORDS = 40
 
@@ -47,6 +47,9 @@ def main() -> int:
     parser.add_argument("--trust", choices=["local", "central", "secagg"], default="local")
     parser.add_argument("--keep-running", action="store_true", help="leave the services up until Ctrl-C")
     args = parser.parse_args()
+    for name in ("agents", "rounds", "runs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}: expected an integer >= 1, got {getattr(args, name)}")
     root = (args.workdir or Path(tempfile.mkdtemp(prefix="fedfilter-deploy-"))).resolve()
     print(f"# working folder: {root}")
 
@@ -65,10 +68,10 @@ def main() -> int:
         node_ids = []
         for i, toml in enumerate(tomls):
             print(f"# fedfilter keys {root / 'keys' / f'agent{i}'}")
-            key = make_node_keys(root / "keys" / f"agent{i}").private
-            node_ids.append(dep.register(key.with_name(key.name + ".pub")))
+            keys = make_node_keys(root / "keys" / f"agent{i}")
+            node_ids.append(dep.register(keys.public))
             print(f"# fedfilter agent check {toml}")
-            dep.start_agent(f"agent{i}", toml, key)
+            dep.start_agent(f"agent{i}", toml, keys.private)
         print(f"# registered and online: {node_ids}")
         for run in range(1, args.runs + 1):
             run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{run}"
@@ -111,4 +114,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (DeploymentError, ValueError) as exc:  # every process is stopped by then (LocalDeployment.__exit__)
+        print(f"deploy_local: error: {exc}", file=sys.stderr)
+        sys.exit(2)

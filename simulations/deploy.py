@@ -415,7 +415,5 @@ def _run_agent_demo(args: argparse.Namespace) -> int:
 
 
 def _run_agent_check(args: argparse.Namespace) -> int:
-    import json
-
     print(json.dumps(check_agent_file(args.path), indent=2, default=str))
     return 0

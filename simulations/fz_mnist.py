@@ -152,7 +152,7 @@ def _machine() -> dict[str, Any]:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False, timeout=10
         ).stdout.strip()
-    except OSError:
+    except (OSError, subprocess.SubprocessError):  # no git, or it hung: the trial's record must still be written
         commit = ""
     return {
         "platform": platform.platform(),

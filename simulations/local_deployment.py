@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -173,7 +174,7 @@ class Service:
             return ""
 
     def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+        return _tail(self.log_text(), lines)
 
 
 class LocalDeployment:
@@ -207,7 +208,7 @@ class LocalDeployment:
         return str(path)
 
     def _spawn(self, name: str, argv: list[str], flwr_home: Path, log: Path) -> Service:
-        self.echo("$ " + " ".join(_quote(a) for a in argv))
+        self.echo("$ " + shlex.join(argv))
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             proc = subprocess.Popen(
@@ -359,7 +360,7 @@ class LocalDeployment:
     def flwr(self, *args: str, timeout: float = 120.0) -> str:
         """Run the ``flwr`` CLI against this SuperLink; returns its output, raises on a non-zero exit."""
         argv = [self._tool("flwr"), *args]
-        self.echo("$ " + " ".join(_quote(a) for a in argv))
+        self.echo("$ " + shlex.join(argv))
         done = subprocess.run(
             argv, env=self.env(self.flwr_home), cwd=self.root, capture_output=True, timeout=timeout, check=False
         )
@@ -368,10 +369,20 @@ class LocalDeployment:
             raise DeploymentError(f"flwr {' '.join(args)}: exit code {done.returncode}; output:\n{out[-3000:]}")
         return out
 
+    def _flwr_json(self, *args: str) -> dict[str, Any]:
+        """``flwr ... --format json``: the JSON object in its output (Flower may print log lines around it)."""
+        out = self.flwr(*args, "--format", "json")
+        try:
+            reply = json.loads(out[out.index("{") : out.rindex("}") + 1])
+        except ValueError as exc:  # no braces, or not JSON between them
+            raise DeploymentError(f"flwr {' '.join(args)}: expected a JSON object, got:\n{out[-3000:]}") from exc
+        if not isinstance(reply, dict):
+            raise DeploymentError(f"flwr {' '.join(args)}: expected a JSON object, got {reply!r}")
+        return reply
+
     def register(self, public_key: Path) -> int:
         """``flwr supernode register``: the SuperLink accepts the key's owner; returns its node id."""
-        out = self.flwr("supernode", "register", str(public_key), CONNECTION, "--format", "json")
-        reply = json.loads(out[out.index("{") : out.rindex("}") + 1])
+        reply = self._flwr_json("supernode", "register", str(public_key), CONNECTION)
         if not reply.get("success"):
             raise DeploymentError(f"flwr supernode register {public_key}: expected success, got {reply}")
         return int(reply["node-id"])
@@ -381,8 +392,7 @@ class LocalDeployment:
 
     def nodes(self) -> dict[int, str]:
         """Node id -> status (registered, online, offline, unregistered) as the SuperLink lists them."""
-        out = self.flwr("supernode", "ls", CONNECTION, "--format", "json")
-        reply = json.loads(out[out.index("{") : out.rindex("}") + 1])
+        reply = self._flwr_json("supernode", "ls", CONNECTION)
         return {int(n["node-id"]): str(n["status"]) for n in reply.get("nodes", [])}
 
     # -- client agents -----------------------------------------------------------------------
@@ -491,10 +501,6 @@ class LocalDeployment:
 
 def _tail(text: str, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
-
-
-def _quote(arg: str) -> str:
-    return arg if re.fullmatch(r"[\w@%+=:,./-]+", arg) else "'" + arg.replace("'", "'\\''") + "'"
 
 
 def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str, every: float = 0.5) -> None:

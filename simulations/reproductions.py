@@ -99,6 +99,31 @@ def counting_config(
     )
 
 
+def counting_federation(
+    opts: Options, out: Path, preset: str, *, clients: int, rounds: int, noise_std: float, l2_clip: float, **agent: Any
+) -> tuple[dict[int, dict[str, Any]], CoordinatorConfig]:
+    """The clients (one record equal to 1 each, client units, local trust) and the counting-query run config."""
+    per = write_clients(
+        out / "clients",
+        ones_parts(clients),
+        ledger_dir=out / "ledgers",
+        unit="client",
+        trust="local",
+        noise_seed=opts.seed,
+        **agent,
+    )
+    cfg = counting_config(
+        clients=clients,
+        rounds=rounds,
+        noise_std=noise_std,
+        l2_clip=l2_clip,
+        run_id=f"{preset}-{opts.seed}",
+        out=out,
+        seed=opts.seed,
+    )
+    return per, cfg
+
+
 def survival(times: np.ndarray, horizon: int) -> np.ndarray:
     """The empirical survival function P(T > t) for t = 0..horizon."""
     t = np.asarray(times)
@@ -159,28 +184,20 @@ def realisation_survival(opts: Options, out: Path) -> Plan:
             f"--epsilon: at sigma = {sigma:g} and N = {n_max} the realisation filter accepts no query below "
             f"epsilon = {head:.4g}; got {eps:g}"
         )
-    per = write_clients(
-        out / "clients",
-        ones_parts(clients),
-        ledger_dir=out / "ledgers",
-        epsilon=eps,
-        delta=delta,
-        unit="client",
-        trust="local",
-        filter="realisation",
-        realisation_max_rounds=n_max,
-        policy_max_clip=clip,  # mu_max = C / sigma: the cap every query of this run meets
-        policy_min_noise_std=sigma,
-        noise_seed=opts.seed,
-    )
-    cfg = counting_config(
+    per, cfg = counting_federation(
+        opts,
+        out,
+        "realisation-survival",
         clients=clients,
         rounds=n_max,
         noise_std=sigma,
         l2_clip=clip,
-        run_id=f"realisation-survival-{opts.seed}",
-        out=out,
-        seed=opts.seed,
+        epsilon=eps,
+        delta=delta,
+        filter="realisation",
+        realisation_max_rounds=n_max,
+        policy_max_clip=clip,  # mu_max = C / sigma: the cap every query of this run meets
+        policy_min_noise_std=sigma,
     )
     worst = GaussianFilter.gdp(epsilon=eps, delta=delta).full_norm_rounds(noise_std=sigma, l2_clip=clip)
     notes = {"paper": "TVC Fig. 2", "trials": clients, "max_rounds": n_max}
@@ -228,7 +245,8 @@ def survival_report(
     t = np.arange(n_max + 1)
     s_fed, s_mc = survival(fed_times, n_max), survival(mc_times, n_max)
     sup = float(np.max(np.abs(s_fed - s_mc)))
-    tolerance = dkw_radius(fed_times.size, DKW_ALPHA) + dkw_radius(mc_times.size, DKW_ALPHA)
+    fed_radius = dkw_radius(fed_times.size, DKW_ALPHA)
+    tolerance = fed_radius + dkw_radius(mc_times.size, DKW_ALPHA)
     best = max(stops.values())
     curves = {name: (t < k).astype(float) for name, k in stops.items()}
 
@@ -247,7 +265,7 @@ def survival_report(
         curves,
         s_mc,
         s_fed,
-        band=dkw_radius(fed_times.size, DKW_ALPHA),
+        band=fed_radius,
         labels={
             "mc": f"realisation, Monte-Carlo ({mc_times.size:,} trials)",
             "fed": f"realisation, federation ({fed_times.size} clients, {engine})",
@@ -257,6 +275,7 @@ def survival_report(
         path=out / "survival.png",
     )
     fed_median, mc_median = float(np.median(fed_times)), float(np.median(mc_times))
+    p_max, p_beyond = float(np.mean(mc_times == n_max)), float(np.mean(mc_times > best))
     agrees = sup <= tolerance
     report: dict[str, Any] = {
         "paper": "TVC Fig. 2 (Taylor, Vippathalla & Coon, Realisation-Level Privacy Filtering)",
@@ -284,8 +303,8 @@ def survival_report(
             "seed": mc_seed,
             "median": mc_median,
             "quantiles": {str(q): float(np.quantile(mc_times, q)) for q in (0.1, 0.25, 0.5, 0.75, 0.9)},
-            "p_reaches_max_rounds": float(np.mean(mc_times == n_max)),
-            f"p_beyond_best_mechanism_stop_{best}": float(np.mean(mc_times > best)),
+            "p_reaches_max_rounds": p_max,
+            f"p_beyond_best_mechanism_stop_{best}": p_beyond,
             "survival": s_mc.tolist(),
         },
         "agreement": {
@@ -304,8 +323,8 @@ def survival_report(
         + " / ".join(f"{name} {k}" for name, k in stops.items())
         + " queries.",
         f"Realisation-level filter: median stopping time {fed_median:g} over {fed_times.size} clients ({engine}), "
-        f"{mc_median:g} over {mc_times.size:,} Monte-Carlo trials; P(T > {best}) = {np.mean(mc_times > best):.3f}, "
-        f"P(T = {n_max}) = {np.mean(mc_times == n_max):.3f} (Monte-Carlo).",
+        f"{mc_median:g} over {mc_times.size:,} Monte-Carlo trials; P(T > {best}) = {p_beyond:.3f}, "
+        f"P(T = {n_max}) = {p_max:.3f} (Monte-Carlo).",
         f"Federation against Monte-Carlo: sup_t |S_fed - S_mc| = {sup:.3f}, DKW tolerance {tolerance:.3f}: "
         + ("they agree." if agrees else "they DISAGREE."),
     ]
@@ -411,25 +430,17 @@ def filters_compare(opts: Options, out: Path) -> Plan:
             f"--rounds: expected at least {expected + 1} (the {expected} full-norm rounds the GDP filter admits at "
             f"sigma = {sigma:g}, and one more to see it stop), got {rounds}"
         )
-    per = write_clients(
-        out / "clients",
-        ones_parts(clients),
-        ledger_dir=out / "ledgers",
-        epsilon=eps,
-        delta=delta,
-        unit="client",
-        trust="local",
-        filter="gdp",
-        noise_seed=opts.seed,
-    )
-    cfg = counting_config(
+    per, cfg = counting_federation(
+        opts,
+        out,
+        "filters-compare",
         clients=clients,
         rounds=rounds,
         noise_std=sigma,
         l2_clip=clip,
-        run_id=f"filters-compare-{opts.seed}",
-        out=out,
-        seed=opts.seed,
+        epsilon=eps,
+        delta=delta,
+        filter="gdp",
     )
     notes = {"paper": "FZ Sec. 4.3", "cross_check_noise_std": sigma}
 
