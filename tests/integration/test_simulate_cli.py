@@ -60,6 +60,7 @@ def test_mnist_gd_preset_builds_its_federation(tmp_path: Path) -> None:
     sizes = [len(np.load(node["data-path"])["y"]) for node in plan.clients.values()]
     assert len(sizes) == 10 and sum(sizes) == 60_000
     assert np.load(plan.clients[0]["data-path"])["x"].shape[1:] == (1, 28, 28)
+    # 26,010: the Opacus MNIST CNN's parameter count (tests/unit/test_gradients.py::test_opacus_cnn_layout).
     assert plan.evaluate is not None and set(plan.evaluate(np.zeros(26_010, np.float32))) == {"accuracy", "loss"}
 
 

@@ -68,8 +68,6 @@ def test_check_agent_file(tmp_path: Path) -> None:
         {"ledger-path": "ledger.sqlite", "data-path": "../data.npz", "epsilon": 1.0, "delta": 0.1},
     )
     assert check_agent_file(relative)["records"] == 5
-    from client_agent.config import parse_agent_config
-
     cfg = parse_agent_config({"agent-config": str(relative)})
     assert cfg.data_path.resolve() == (tmp_path / "data.npz").resolve()
     assert cfg.ledger_path == (tmp_path / "sub").resolve() / "ledger.sqlite"
