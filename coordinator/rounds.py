@@ -15,8 +15,9 @@ sigma_rel z(beta / (2 rounds)) of that sum, all together with probability >= 1 -
 (Derived from the Gaussian tail and a union bound; a unit that has stopped contributes 0,
 and a unit in its last, partially clipped round contributes its clipped value.)
 
-Robust rounds: missing replies and error replies (counted by code and by reason) do not stop
-a round; n is public, so the privacy statement does not change.
+Robust rounds: missing replies and error replies (counted by the code's name) do not stop a
+round; n is public, so the privacy statement does not change. A client's error text is never
+kept or logged: it may carry data-dependent detail (coordinator/transport.py).
 
 Secagg trust: every release (the round's, the plateau count's, the tree monitor's) is one
 secure-aggregation session (coordinator/secagg.py); the coordinator learns only the sum of
@@ -37,7 +38,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from coordinator.analysts import Analyst, Answer, Query, build_analyst
-from coordinator.config import CoordinatorConfig
+from coordinator.config import MONITORS, CoordinatorConfig
 from coordinator.monitor import SvtMonitor, TreeMonitor, Verdict, gaussian_bound
 from coordinator.report import Progress, RunWriter
 from coordinator.secagg import SecaggRound, SecaggSettings, default_min_clients, secagg_release
@@ -104,12 +105,17 @@ def _accepted(status: dict[str, Any]) -> dict[str, Any]:
         numeric = kind is float and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
         if isinstance(value, bool) or not (numeric or (kind is not float and isinstance(value, kind))):
             raise wire.ProtocolError(f"status reply: ledger {key!r} must be {kind.__name__}, got {value!r:.80}")
+    # Closed tables: a refusal quotes these values, and must never quote a client's free text.
+    for key, choices in (("trust", wire.TRUST_MODES), ("unit", wire.UNITS)):
+        if ledger[key] not in choices:
+            raise wire.ProtocolError(f"status reply: ledger {key!r} must be one of {choices}, got {ledger[key]!r:.80}")
     monitor = ledger.get("params", {}).get("monitor") if isinstance(ledger.get("params"), dict) else None
     if not isinstance(monitor, dict):
         raise wire.ProtocolError(f"status reply: expected a monitor reservation object, got {monitor!r:.80}")
-    needed = {"svt": ("epsilon_svt",), "tree": ("noise_std", "max_rounds", "squared_cost")}.get(
-        str(monitor.get("kind")), ()
-    )
+    reserved = monitor.get("kind")
+    if reserved not in MONITORS:
+        raise wire.ProtocolError(f"status reply: monitor 'kind' must be one of {MONITORS}, got {reserved!r:.80}")
+    needed = {"svt": ("epsilon_svt",), "tree": ("noise_std", "max_rounds", "squared_cost")}.get(str(reserved), ())
     for key in needed:
         value = monitor.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -161,7 +167,9 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
 
     A client whose ledger is fixed to another trust mode, unit or monitor would refuse every
     request; a monitor the clients did not reserve would be an unaccounted release
-    (privacy.md §7), so the run does not start.
+    (privacy.md §7), so the run does not start. A client whose status does not decode, or whose
+    ledger runs the realisation filter over records (privacy.md §6), is left out and counted by
+    cause in ``excluded``; error replies are counted by code name, never by the client's text.
     """
     nodes = transport.node_ids(cfg.num_nodes, timeout=cfg.enrol_timeout)
     payloads = {node: wire.encode_request(wire.StatusRequest(f"{cfg.run_id}:status", cfg.run_id, 0)) for node in nodes}
@@ -172,11 +180,18 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
     statuses: dict[int, dict[str, Any]] = {}
     for node, (config, arrays) in got.replies.items():
         try:
-            statuses[node] = _accepted(wire.StatusReply.decode(config, arrays).parsed())
+            status = _accepted(wire.StatusReply.decode(config, arrays).parsed())
         except wire.ProtocolError:
             excluded["malformed-status"] += 1
+            continue
+        if status["ledger"]["filter"] == "realisation" and status["ledger"]["unit"] == "record":
+            # privacy.md §6: a client's records share one noise draw, so the realised loss one record's
+            # filter reads depends on the other records' data; their stopping times leak it. Not private.
+            excluded["realisation-record"] += 1
+            continue
+        statuses[node] = status
     if not statuses:
-        raise EnrolmentError(f"no client enrolled: {dict(excluded)}; reasons: {dict(got.reasons)}")
+        raise EnrolmentError(f"no client enrolled: {dict(excluded)}")
     mismatches: list[str] = []
     for status in statuses.values():
         ledger = status["ledger"]
@@ -322,13 +337,13 @@ def _statement(
 
 @dataclass
 class RoundLog:
-    """One line of ``rounds.jsonl``: aggregates only, never a node id or a per-client value."""
+    """One line of ``rounds.jsonl``: aggregates only, never a node id, a per-client value or a client's text."""
 
     round: int
     task: str
     replies: int
-    errors: dict[str, int]
-    error_reasons: dict[str, int]
+    errors: dict[str, int]  # errors_by_code, plus the coordinator's checks and the plateau and monitor requests
+    errors_by_code: dict[str, int]  # the release request's failed replies by code name (secagg: every step's)
     missing: int
     noise_std: float  # sigma of each release (per client in local trust)
     release_noise_std: float  # std of the noise in the released sum
@@ -564,7 +579,7 @@ def run(
             task=cfg.task,
             replies=len(got.replies),
             errors={},  # filled once the round's plateau and monitor requests are in
-            error_reasons=dict(got.reasons),
+            errors_by_code=dict(got.errors),
             missing=got.missing,
             noise_std=cfg.noise_std,
             release_noise_std=math.sqrt(noise_var),

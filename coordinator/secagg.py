@@ -69,8 +69,6 @@ class SecaggRound:
 def _merge(into: RoundReplies, got: RoundReplies, prefix: str) -> None:
     for name, count in got.errors.items():
         into.errors[prefix + name] += count
-    for reason, count in got.reasons.items():
-        into.reasons[prefix + reason] += count
 
 
 def secagg_release(
@@ -93,9 +91,9 @@ def secagg_release(
     errors: Counter[str] = out.replies.errors
 
     def abort(reason: str) -> SecaggRound:
+        """End the session; ``reason`` is the coordinator's own text (counts and m only, never a client's text)."""
         out.counts["aborted"] = reason
         errors["secagg-aborted"] += 1
-        out.replies.reasons[f"secagg-aborted: {reason[:300]}"] += 1
         return out
 
     def rid(step: str) -> str:
@@ -111,11 +109,11 @@ def secagg_release(
                 continue
             try:
                 reply = decode(*got.replies[node])
-            except wire.ProtocolError as exc:
-                out.replies.error(name, str(exc))
+            except wire.ProtocolError:
+                out.replies.error(name)
                 continue
-            if reply.session != session:
-                out.replies.error(name, f"a reply for another session, {str(reply.session)[:80]!r}")
+            if reply.session != session:  # a reply for another session
+                out.replies.error(name)
                 continue
             ok[node] = reply
         return ok
@@ -131,7 +129,7 @@ def secagg_release(
         bytes(r.masking_key) for r in keys.values()
     )
     for node in [n for n, r in keys.items() if seen[bytes(r.encryption_key)] > 1 or seen[bytes(r.masking_key)] > 1]:
-        out.replies.error("secagg-keys-duplicate", "a public key advertised by more than one client")
+        out.replies.error("secagg-keys-duplicate")  # a public key advertised by more than one client
         del keys[node]
     u1 = sorted(keys)
     out.counts["advertised"] = len(u1)
@@ -194,7 +192,7 @@ def secagg_release(
             continue
         r = answers[u1[i]].revealed
         if r.seed_peers.tolist() != u3.tolist() or r.key_peers.tolist() != dropped:
-            out.replies.error("secagg-unmask-malformed-reply", "shares for other peers than U3 and U2 \\ U3")
+            out.replies.error("secagg-unmask-malformed-reply")  # shares for other peers than U3 and U2 \ U3
             continue
         revealed[i] = r
     out.counts["unmasked"] = len(revealed)
@@ -209,8 +207,9 @@ def secagg_release(
             commitments={i: keys[u1[i]].seed_commitment.tobytes() for i in u3.tolist()},
             dim=size,
         )
-    except sa.SecaggError as exc:
-        return abort(str(exc))
+    except sa.SecaggError:
+        # Its text names a client's roster index and what its reply held: per-client detail, never logged.
+        return abort("the unmask step failed a consistency check (shares, commitments or masked inputs)")
     out.total = sa.decode_fixed_point(ring, scale_bits=settings.scale_bits)
     out.noise_var = float(u3.size) * noise_std**2 / m
     return out

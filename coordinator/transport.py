@@ -23,16 +23,20 @@ from protocol.records import Payload, decode_content, encode_content
 
 @dataclass
 class RoundReplies:
-    """A round's replies by node; error replies counted by code name and by reason; the number missing."""
+    """A round's replies by node; error replies counted by code name; the number missing.
+
+    Privacy: an Error reply's reason is the client's own text and may carry data-dependent
+    detail (a ledger hash, a path, a fingerprint), so it is never kept: only the code's name
+    (:func:`protocol.messages.error_name`) or the coordinator's own fixed name is counted.
+    """
 
     replies: dict[int, Payload] = field(default_factory=dict)
     errors: Counter[str] = field(default_factory=Counter)
-    reasons: Counter[str] = field(default_factory=Counter)
     missing: int = 0
 
-    def error(self, name: str, reason: str) -> None:
+    def error(self, name: str, reason: str = "") -> None:
+        """Count one error under ``name``; ``reason`` (the client's text) is dropped, never stored."""
         self.errors[name] += 1
-        self.reasons[f"{name}: {reason[:300]}"] += 1
 
 
 class Transport(Protocol):
@@ -70,15 +74,15 @@ class FlowerTransport:
         for reply in got:
             node = by_id.get(reply.metadata.reply_to_message_id)
             if node is None or node in out.replies:
-                out.error("unmatched", "a reply to no request of this round")
+                out.error("unmatched")  # a reply to no request of this round
                 continue
             if reply.has_error():
-                out.error(wire.error_name(reply.error.code), reply.error.reason or "")
+                out.error(wire.error_name(reply.error.code))
                 continue
             try:
                 out.replies[node] = decode_content(reply.content)
-            except Exception as exc:  # a reply Flower delivered but whose records do not decode
-                out.error("malformed-reply", f"{type(exc).__name__}: {exc}")
+            except Exception:  # a reply Flower delivered but whose records do not decode
+                out.error("malformed-reply")
         answered = len(out.replies) + sum(out.errors.values()) - out.errors["unmatched"]
         out.missing = len(payloads) - answered
         return out

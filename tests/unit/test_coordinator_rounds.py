@@ -20,9 +20,9 @@ NODES = [987_654_321, 987_654_322, 987_654_323]
 MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
 
 
-def status(*, trust: str, unit: str = "record", monitor: dict[str, Any] | None = None) -> str:
+def status(*, trust: str, unit: str = "record", monitor: dict[str, Any] | None = None, filter: str = "gdp") -> str:
     ledger = {
-        "filter": "gdp",
+        "filter": filter,
         "epsilon": 2.0,
         "delta": 1e-5,
         "unit": unit,
@@ -103,7 +103,7 @@ def test_step_divides_by_public_n_whoever_answered(tmp_path: Path) -> None:
     np.testing.assert_allclose(summary["parameters"], expected, rtol=1e-6)
     rnd = summary["rounds"][0]
     assert rnd["errors"] == {"policy": 1} and rnd["replies"] == 2
-    assert rnd["error_reasons"] == {"policy: noise_std 0.1 asked; the policy requires noise_std >= 1.0": 1}
+    assert rnd["errors_by_code"] == {"policy": 1}
 
 
 def test_missing_replies_do_not_stop_the_round() -> None:
@@ -130,7 +130,7 @@ def test_local_trust_logs_hold_no_node_ids_or_per_client_values(tmp_path: Path) 
         "task",
         "replies",
         "errors",
-        "error_reasons",
+        "errors_by_code",
         "missing",
         "noise_std",
         "release_noise_std",
@@ -295,3 +295,88 @@ def test_model_args_the_model_does_not_take_fail_before_any_client_is_asked(tmp_
     with pytest.raises(ValueError, match=r"model 'logreg': expected parameters \['in_features', 'n_classes'\]"):
         run(scripted, config(model_args=json.dumps({"no_such_arg": 1}), output_dir=str(tmp_path / "out")))
     assert scripted.sent == [] and not (tmp_path / "out").exists()
+
+
+SECRET = "SECRET-PATH /home/x/data.npz sha256=abc"
+
+
+class Leaky(Scripted):
+    """``refused`` answer every request of the types in ``kinds`` with a ledger error whose reason holds SECRET."""
+
+    def __init__(self, refused: list[int], kinds: set[str], **kw: Any) -> None:
+        super().__init__(**kw)
+        self.refused, self.kinds = refused, kinds
+
+    def send(self, message_type: str, payloads: Mapping[int, Payload], *, timeout: float) -> RoundReplies:
+        if message_type not in self.kinds:
+            return super().send(message_type, payloads, timeout=timeout)
+        out = super().send(message_type, {n: p for n, p in payloads.items() if n not in self.refused}, timeout=timeout)
+        for _ in set(self.refused) & set(payloads):
+            out.error(wire.error_name(wire.ERR_LEDGER), SECRET)
+        return out
+
+
+def assert_no_secret(text: str) -> None:
+    for part in (SECRET, "SECRET", "/home/x/data.npz", "sha256=abc"):
+        assert part not in text
+
+
+def test_a_client_error_text_is_never_logged_only_its_code_is_counted(tmp_path: Path) -> None:
+    # A client's error reason can carry data-dependent detail (a path, a hash): rounds.jsonl keeps counts by code.
+    statuses = {n: status(trust="local") for n in NODES}
+    totals = {n: np.ones(8, np.float32) for n in NODES}
+    leaky = Leaky([NODES[2]], {wire.GRADIENT}, statuses=statuses, totals=totals, trust="local")
+    summary = run(leaky, config(trust="local", rounds=2, output_dir=str(tmp_path / "out")))
+    rounds_text = (tmp_path / "out" / "rounds.jsonl").read_text()
+    assert_no_secret(rounds_text + (tmp_path / "out" / "summary.json").read_text() + repr(summary))
+    lines = [json.loads(line) for line in rounds_text.splitlines()]
+    assert [r["errors_by_code"] for r in lines] == [{"ledger": 1}, {"ledger": 1}]
+    assert [r["errors"] for r in lines] == [{"ledger": 1}, {"ledger": 1}]
+    assert summary["errors_total"] == {"ledger": 2}
+
+
+def test_enrolment_error_counts_refusals_by_code_without_their_text() -> None:
+    statuses = {n: status(trust="central") for n in NODES}
+    leaky = Leaky(NODES[1:], {wire.STATUS}, statuses=statuses, totals={}, trust="central")
+    leaky.statuses[NODES[0]] = json.dumps({"ledger": {"epsilon": "three"}, "policy": {}})
+    with pytest.raises(EnrolmentError) as refused:
+        run(leaky, config())
+    assert str(refused.value) == "no client enrolled: {'ledger': 2, 'malformed-status': 1}"
+    assert_no_secret(str(refused.value))
+
+
+def test_a_realisation_filter_over_records_is_not_enrolled(tmp_path: Path) -> None:
+    # privacy.md §6: a client's records share one noise draw, so the realisation filter is not private per record.
+    statuses = {n: status(trust="local") for n in NODES[:2]} | {NODES[2]: status(trust="local", filter="realisation")}
+    scripted = Scripted(statuses, {n: np.ones(8, np.float32) for n in NODES}, "local")
+    summary = run(scripted, config(trust="local", n_public=10, output_dir=str(tmp_path / "out")))
+    assert summary["clients_excluded"] == {"realisation-record": 1}
+    assert summary["privacy"]["clients_enrolled"] == 2 and summary["privacy"]["filter"] == "gdp"
+    assert all(NODES[2] not in payloads for kind, payloads in scripted.sent if kind != wire.STATUS)
+    everyone = Scripted({n: status(trust="local", filter="realisation") for n in NODES}, {}, "local")
+    with pytest.raises(EnrolmentError, match=r"no client enrolled: \{'realisation-record': 3\}"):
+        run(everyone, config(trust="local"))
+    assert [kind for kind, _ in everyone.sent] == [wire.STATUS]
+
+
+def test_a_realisation_filter_over_clients_is_enrolled() -> None:
+    statuses = {n: status(trust="local", unit="client", filter="realisation") for n in NODES}
+    scripted = Scripted(statuses, {n: np.ones(8, np.float32) for n in NODES}, "local")
+    cfg = config(trust="local", unit="client", n_public=15, noise_std=0.5)
+    summary = run(scripted, cfg)
+    assert summary["clients_excluded"] == {} and summary["privacy"]["filter"] == "realisation"
+
+
+@pytest.mark.parametrize(
+    "over",
+    [{"trust": SECRET}, {"unit": SECRET}, {"params": {"monitor": {"kind": SECRET}}}],
+    ids=["trust", "unit", "monitor"],
+)
+def test_a_status_with_free_text_where_a_closed_table_is_expected_is_malformed(over: dict[str, Any]) -> None:
+    # A refusal quotes a client's trust, unit and monitor kind: each must come from the protocol's table.
+    raw = json.loads(status(trust="central"))
+    raw["ledger"] |= over
+    scripted = Scripted({n: json.dumps(raw) for n in NODES}, {}, "central")
+    with pytest.raises(EnrolmentError) as refused:
+        run(scripted, config())
+    assert str(refused.value) == "no client enrolled: {'malformed-status': 3}"
