@@ -21,9 +21,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import signal
-import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +41,7 @@ from protocol.filters import FilterState, charge, clip_scales, partial_clip, rem
 from protocol.realisation import RealisationState, advance, decide, realised_loss
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
-INTERNAL_REASON = "the client could not answer (internal error; details in the client's log); nothing was released"
+LOG = logging.getLogger("fedfilter.agent")
 
 
 class PolicyError(ValueError):
@@ -59,11 +59,35 @@ class Outcome:
     config: dict[str, Any] | None = None
     arrays: dict[str, NDArray[Any]] | None = None
     error_code: int = 0
-    error_reason: str = ""
+    error_reason: str = ""  # what crosses the wire: the code's fixed text (protocol.messages.ERROR_TEXT)
+    local_detail: str = ""  # never sent: the exception's own message, for the client's log and tests
 
     @property
     def is_error(self) -> bool:
         return self.error_code != 0
+
+
+def refusal(code: int, message_type: str, config: dict[str, Any], exc: BaseException) -> Outcome:
+    """A typed error reply with the code's fixed text; the details go to the client's own log only.
+
+    Privacy note: an error reply goes back uncharged, so its text must not depend on the client's
+    data. An exception's message can (a ledger error once carried the sha256 of the state blob,
+    which holds per-record spend; a configuration mismatch carried the data's fingerprint; paths
+    name the owner's files), so no exception text ever crosses the wire (privacy.md §8).
+    """
+    request_id = config.get("request_id") if isinstance(config, dict) else None
+    level = logging.ERROR if code in (wire.ERR_LEDGER, wire.ERR_INTERNAL) else logging.WARNING
+    LOG.log(
+        level,
+        "refused %s request %.80r (%s): %s: %s",
+        message_type,
+        request_id,
+        wire.error_name(code),
+        type(exc).__name__,
+        exc,
+        exc_info=code == wire.ERR_INTERNAL,
+    )
+    return Outcome(error_code=code, error_reason=wire.ERROR_TEXT[code], local_detail=f"{type(exc).__name__}: {exc}")
 
 
 def fault_point(step: str) -> None:
@@ -112,29 +136,53 @@ def load_client_data(path: os.PathLike[str] | str) -> tuple[NDArray[Any], NDArra
 
 _BLOCK_ROWS = 256  # rows per block: float64 temporaries of a few MB at any client size
 
-
-def _blockwise(rows: NDArray[Any], fn: Callable[[NDArray[Any]], NDArray[Any]], dtype: Any) -> NDArray[Any]:
-    """``fn`` applied to blocks of rows, one value per row (a row's value never depends on the blocking)."""
-    out = np.empty(len(rows), dtype=dtype)
-    for start in range(0, len(rows), _BLOCK_ROWS):
-        out[start : start + _BLOCK_ROWS] = fn(rows[start : start + _BLOCK_ROWS])
-    return out
+# The release kernel below does the same work on every row, whoever is stopped, exhausted, refused
+# or null: every row is scaled (by 0 for a unit that contributes nothing), measured, weighted and
+# summed. A branch, a fancy index or an extra copy for some rows would make the reply's timing
+# tell the coordinator how many units stopped, the very thing the monitor exists to hide
+# (privacy.md §7, §8); tests/unit/test_release_uniform.py traces it.
 
 
 def _row_norms(rows: NDArray[np.float32]) -> NDArray[np.float64]:
-    """Each row's L2 norm, computed in float64: the values of ``np.linalg.norm(rows.astype(float64), axis=1)``."""
-    return _blockwise(rows, lambda block: np.linalg.norm(block.astype(np.float64), axis=1), np.float64)
+    """Each row's L2 norm in float64 (the values of ``np.linalg.norm(rows.astype(float64), axis=1)``).
+
+    A row holding a NaN or an infinity has a non-finite norm, so this one pass also finds them.
+    """
+    out = np.empty(len(rows), dtype=np.float64)
+    for start in range(0, len(rows), _BLOCK_ROWS):
+        out[start : start + _BLOCK_ROWS] = np.linalg.norm(rows[start : start + _BLOCK_ROWS].astype(np.float64), axis=1)
+    return out
 
 
-def _scaled(rows: NDArray[np.float32], scales: NDArray[np.float32]) -> NDArray[np.float32]:
-    """``rows * scales[:, None]``, in place where ``rows`` is writable; rows with scale 1 are not touched."""
-    if not rows.flags.writeable:
-        return rows * scales[:, None]
-    shrink = np.flatnonzero(scales != 1.0)
-    for start in range(0, shrink.size, _BLOCK_ROWS):
-        idx = shrink[start : start + _BLOCK_ROWS]
-        rows[idx] *= scales[idx, None]
-    return rows
+def _scale_rows(rows: NDArray[np.float32], scales: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Scale every row in place by its factor and return the scaled rows' norms (float64).
+
+    Every row is multiplied, a factor of 1 included (exact in float32), and every entry passes
+    through ``nan_to_num``: a non-finite row carries the factor 0, so it ends as the zero row
+    (0 * inf is NaN, then 0). Rows with finite values and a factor in [0, 1] stay finite.
+    """
+    factors = scales.astype(np.float32)[:, None]
+    out = np.empty(len(rows), dtype=np.float64)
+    for start in range(0, len(rows), _BLOCK_ROWS):
+        block = rows[start : start + _BLOCK_ROWS]
+        np.multiply(block, factors[start : start + _BLOCK_ROWS], out=block)
+        np.nan_to_num(block, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+        out[start : start + _BLOCK_ROWS] = np.linalg.norm(block.astype(np.float64), axis=1)
+    return out
+
+
+def _weighted_sum(rows: NDArray[np.float32], weights: NDArray[np.bool_]) -> NDArray[np.float64]:
+    """Zero the rows whose weight is False, in place, and return the sum of all rows (float64).
+
+    The same multiply and add on every row: a unit left out is multiplied by 0, not skipped.
+    """
+    factors = weights.astype(np.float32)[:, None]
+    total = np.zeros(rows.shape[1], dtype=np.float64)
+    for start in range(0, len(rows), _BLOCK_ROWS):
+        block = rows[start : start + _BLOCK_ROWS]
+        np.multiply(block, factors[start : start + _BLOCK_ROWS], out=block)
+        total += block.sum(axis=0, dtype=np.float64)
+    return total
 
 
 def _digest64(text: str) -> int:
@@ -186,6 +234,10 @@ class Agent:
         initial["monitor_last"] = np.zeros(1, dtype=np.int64)
         initial["monitor_run"] = np.zeros(1, dtype=np.int64)  # the run that owns the SVT (0: none yet)
         params: dict[str, Any] = {"filter": described, "monitor": config.monitor.describe(), "data_sha256": fingerprint}
+        if config.noise_seed is not None:
+            # Seeded noise (simulations only) is written into the ledger: its spends were priced
+            # against noise that anyone holding the seed can recompute.
+            params["noise_seed"] = config.noise_seed
         self.ledger_config = LedgerConfig(
             filter=config.filter,
             epsilon=config.epsilon,
@@ -217,24 +269,19 @@ class Agent:
                 return Outcome(*unpack_reply(stored.reply))
             self.check_policy(request)
             return self.answer(request, digest)
-        except wire.ProtocolError as exc:
-            return Outcome(error_code=wire.ERR_MALFORMED, error_reason=str(exc))
+        except (wire.ProtocolError, sa.SecaggError) as exc:
+            # SecaggError: session, roster, share and range checks on public values, keys and shares.
+            return refusal(wire.ERR_MALFORMED, message_type, config, exc)
         except PolicyError as exc:
-            return Outcome(error_code=wire.ERR_POLICY, error_reason=str(exc))
+            return refusal(wire.ERR_POLICY, message_type, config, exc)
         except ReplayError as exc:
-            return Outcome(error_code=wire.ERR_REPLAY, error_reason=str(exc))
-        except sa.SecaggError as exc:
-            # Session, roster, share and range checks: they read public values, keys and shares, never data.
-            return Outcome(error_code=wire.ERR_MALFORMED, error_reason=str(exc))
+            return refusal(wire.ERR_REPLAY, message_type, config, exc)
         except LedgerError as exc:
-            return Outcome(error_code=wire.ERR_LEDGER, error_reason=str(exc))
+            return refusal(wire.ERR_LEDGER, message_type, config, exc)
         except Exception as exc:
             # Nothing left the client: the reply is released only after a successful commit,
             # and the commit is one transaction. A repeat with the same id is answered afresh.
-            # The reason is fixed text: an exception's type or message may depend on the client's
-            # data, and an error reply goes back uncharged. Details stay on the client.
-            print(f"fedfilter client agent: internal error {type(exc).__name__}: {exc}", file=sys.stderr)
-            return Outcome(error_code=wire.ERR_INTERNAL, error_reason=INTERNAL_REASON)
+            return refusal(wire.ERR_INTERNAL, message_type, config, exc)
 
     def status_json(self) -> str:
         """Public configuration only: no spend, and no fingerprint of the client's data.
@@ -243,7 +290,9 @@ class Agent:
         datasets could otherwise confirm exactly which data the client holds.
         """
         ledger = json.loads(self.ledger_config.to_json())
-        ledger["params"] = {k: v for k, v in ledger["params"].items() if k != "data_sha256"}
+        ledger["params"] = {k: v for k, v in ledger["params"].items() if k not in ("data_sha256", "noise_seed")}
+        if self.config.noise_seed is not None:
+            ledger["params"]["noise"] = "seeded (simulation)"  # the coordinator learns that, not the seed
         return json.dumps({"ledger": ledger, "policy": self.config.policy.describe()}, sort_keys=True)
 
     # -- policy -----------------------------------------------------------------------
@@ -276,6 +325,12 @@ class Agent:
             raise PolicyError(
                 f"secagg min_clients {request.min_clients} asked; the policy requires at least "
                 f"{policy.min_secagg_clients} clients in every sum"
+            )
+        masked_input = getattr(request, "secagg", None)
+        if masked_input is not None and masked_input.scale_bits < policy.min_secagg_scale_bits:
+            raise PolicyError(
+                f"secagg scale_bits {masked_input.scale_bits} asked; the policy requires at least "
+                f"{policy.min_secagg_scale_bits} (each masked input pays sqrt(d) / 2^scale_bits of rounding slack)"
             )
         params = getattr(request, "parameters", None)
         if params is not None and params.size > policy.max_model_params:
@@ -342,7 +397,9 @@ class Agent:
         """
         if self.config.noise_seed is None:
             return np.random.default_rng()
-        return np.random.default_rng([self.config.noise_seed, _digest64(secagg_client.ledger_id(request))])
+        # The whole SHA-256 digest of (seed, ledger id) seeds the stream, not 64 bits of it.
+        text = f"{self.config.noise_seed}|{secagg_client.ledger_id(request)}"
+        return np.random.default_rng(int.from_bytes(hashlib.sha256(text.encode()).digest(), "little"))
 
     def contributions(self, request: wire.GradientRequest | wire.IndicatorRequest) -> NDArray[np.float32]:
         """Each unit's unclipped contribution, one row per unit (float32)."""
@@ -372,54 +429,56 @@ class Agent:
         min(C, sigma sqrt(T - S) - slack), so that the last, partial round still fits the remainder.
         """
         sigma, clip = request.noise_std, request.l2_clip
+        if not rows.flags.writeable:
+            rows = rows.copy()
         slack = 0.0 if masked is None else sa.rounding_slack(rows.shape[1], masked.scale_bits)
         # A unit whose contribution is not finite (an overflow at extreme parameters) contributes
         # the null element's zero and pays nothing. Refusing instead would answer, uncharged, a
         # question about the client's data: whether some record overflows (privacy.md §1, §2).
-        finite = _blockwise(rows, lambda block: np.isfinite(block).all(axis=1), np.bool_)
-        if not finite.all():
-            rows = np.where(finite[:, None], rows, np.float32(0.0))
         norms = _row_norms(rows)
+        finite = np.isfinite(norms)
+        norms = np.where(finite, norms, 0.0)
         new_state = dict(state)
         kind = "gradient" if isinstance(request, wire.GradientRequest) else "indicator"
         if self.gaussian is not None:
             fstate = FilterState(spent=state["spent"], stopped=state["stopped"])
             bounds = partial_clip(self.gaussian, fstate, noise_std=sigma, l2_clip=clip)
-            if slack:
-                room = sigma * np.sqrt(remaining(self.gaussian, fstate)) - slack
-                bounds = np.minimum(bounds, np.maximum(room, 0.0))
-            clipped = _scaled(rows, clip_scales(norms, bounds, dtype_eps=FLOAT32_EPS).astype(np.float32))
-            clipped_norms = _row_norms(clipped)
+            # secagg: a unit whose room sigma sqrt(T - S) is at most the rounding slack cannot pay
+            # for any masked input again; it stops now (it would otherwise neither take part nor stop).
+            room = sigma * np.sqrt(remaining(self.gaussian, fstate)) - slack
+            starved = (room <= 0.0) & ~fstate.stopped if slack else np.zeros(norms.size, dtype=np.bool_)
+            bounds = np.minimum(bounds, np.maximum(room, 0.0)) if slack else bounds
+            scales = clip_scales(norms, bounds, dtype_eps=FLOAT32_EPS) * finite
+            clipped_norms = _scale_rows(rows, scales)
             if slack:
                 clipped_norms = np.where(clipped_norms > 0, clipped_norms + slack, 0.0)
             result = charge(self.gaussian, fstate, noise_std=sigma, l2_norms=clipped_norms)
-            clipped[~result.admitted] = 0.0
+            total = _weighted_sum(rows, result.admitted)
             record = result.release(kind=kind, round_id=request.request_id, noise_std=sigma, l2_norms=clipped_norms)
-            newly = result.state.stopped & ~fstate.stopped
-            new_state.update(spent=np.array(result.state.spent), stopped=np.array(result.state.stopped))
+            stopped = np.array(result.state.stopped | starved)
+            newly = stopped & ~fstate.stopped
+            new_state.update(spent=np.array(result.state.spent), stopped=stopped)
             release: dict[str, NDArray[Any]] = {
                 "kind": np.array(kind),
                 "noise_std": np.array([sigma]),
                 "l2_norms": record.l2_norms,
-                "refused": np.asarray(record.refused),
+                # A starved unit is recorded as stopped by this release, as a refusal is, so that
+                # replaying the ledger (protocol.filters.rebuild) stops it at the same round.
+                "refused": np.asarray(record.refused | starved),
             }
-            active_after = ~result.state.stopped
+            active_after = ~stopped
             noise = self.rng(request).normal(0.0, sigma, rows.shape[1]) if self.config.trust == "local" else None
         else:
             assert self.realisation is not None
             rstate = RealisationState(
                 loss=state["loss"], accepting=state["accepting"], answered=int(state["answered"][0])
             )
-            clipped = _scaled(
-                rows, clip_scales(norms, np.full(norms.size, clip), dtype_eps=FLOAT32_EPS).astype(np.float32)
-            )
-            clipped_norms = _row_norms(clipped)
+            scales = clip_scales(norms, np.full(norms.size, clip), dtype_eps=FLOAT32_EPS) * finite
+            clipped_norms = _scale_rows(rows, scales)
             step = decide(self.realisation, rstate, mu=clipped_norms / sigma)
-            clipped[~step.participating] = 0.0
+            total = _weighted_sum(rows, step.participating)
             noise = self.rng(request).normal(0.0, sigma, rows.shape[1])
-            losses = np.where(
-                step.participating, realised_loss(contribution=clipped, noise=noise, noise_std=sigma), 0.0
-            )
+            losses = np.where(step.participating, realised_loss(contribution=rows, noise=noise, noise_std=sigma), 0.0)
             after = advance(rstate, step, losses=losses)
             newly = ~after.accepting & rstate.accepting
             new_state.update(
@@ -439,14 +498,13 @@ class Agent:
         halt = np.array(state["halt_round"])
         halt[newly & (halt < 0)] = request.round
         new_state["halt_round"] = halt
-        total = clipped.sum(axis=0, dtype=np.float64)
         if masked is not None:
             release.update(masked.release_fields())
             return secagg_client.masked_reply(masked, total, self.rng(request)), new_state, release
         if noise is not None:
             total = total + noise
         trust = self.config.trust
-        if trust == "central" and not active_after.any() and not np.any(clipped):
+        if trust == "central" and not active_after.any() and not np.any(total):
             reply = wire.ContributionReply(
                 request.request_id, wire.REPLY_EXHAUSTED, trust, 0.0, np.zeros(0, dtype=np.float32)
             )

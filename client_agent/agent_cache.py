@@ -61,9 +61,9 @@ def _marks(agent: Agent, node_config: Mapping[str, Any]) -> tuple[FileMark, ...]
     return tuple(_mark(p) for p in _files(agent, node_config))
 
 
-def _key(node_config: Mapping[str, Any]) -> tuple[object, ...]:
+def _key(node_config: Mapping[str, Any], simulation: bool) -> tuple[object, ...]:
     items = tuple(sorted((str(k), repr(v)) for k, v in node_config.items()))
-    return (os.getpid(), threading.get_ident(), items)
+    return (os.getpid(), threading.get_ident(), simulation, items)
 
 
 class AgentCache:
@@ -81,12 +81,13 @@ class AgentCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def checkout(self, node_config: Mapping[str, Any]) -> Agent:
+    def checkout(self, node_config: Mapping[str, Any], *, simulation: bool = False) -> Agent:
         """The open agent for ``node_config`` if its files are as it left them, else a freshly opened one.
 
+        ``simulation`` is passed to :func:`parse_agent_config` (it alone admits seeded noise).
         Raises what :class:`Agent` and :func:`parse_agent_config` raise on a first open.
         """
-        key = _key(node_config)
+        key = _key(node_config, simulation)
         with self._lock:
             entry = self._entries.pop(key, None)
         if entry is not None:
@@ -95,14 +96,16 @@ class AgentCache:
                 return agent
             if owner is threading.current_thread():
                 agent.close()  # something outside this agent touched its files: open with every check
-        return Agent(parse_agent_config(node_config))
+        return Agent(parse_agent_config(node_config, simulation=simulation))
 
-    def checkin(self, node_config: Mapping[str, Any], agent: Agent, *, reusable: bool) -> None:
+    def checkin(
+        self, node_config: Mapping[str, Any], agent: Agent, *, reusable: bool, simulation: bool = False
+    ) -> None:
         """Keep ``agent`` for the next request (``reusable``), or close it."""
         if not reusable:
             agent.close()
             return
-        key = _key(node_config)
+        key = _key(node_config, simulation)
         here = threading.current_thread()
         evicted: list[tuple[Agent, tuple[FileMark, ...], threading.Thread]] = []
         with self._lock:

@@ -15,7 +15,7 @@ import numpy as np
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
-from client_agent.agent import Agent, Outcome, fault_point
+from client_agent.agent import Agent, Outcome, fault_point, refusal
 from client_agent.agent_cache import AgentCache
 from client_agent.config import AgentConfigError, parse_agent_config
 from client_agent.ledger import LedgerError
@@ -33,6 +33,7 @@ def answer_request(
     arrays: dict[str, np.ndarray],
     *,
     cache: AgentCache | None = AGENTS,
+    simulation: bool = False,
 ) -> Outcome:
     """Everything the ClientApp does for one request, without Flower: open, answer, keep or close, then send.
 
@@ -41,31 +42,37 @@ def answer_request(
     ``cache`` is None. The ``before_send`` fault point sits where the reply is handed to Flower.
     """
     try:
-        agent = cache.checkout(node_config) if cache is not None else Agent(parse_agent_config(node_config))
-    except AgentConfigError as exc:
-        return Outcome(error_code=wire.ERR_LEDGER, error_reason=f"agent configuration: {exc}")
-    except (LedgerError, ValueError, OSError) as exc:
-        return Outcome(error_code=wire.ERR_LEDGER, error_reason=str(exc))
+        if cache is not None:
+            agent = cache.checkout(node_config, simulation=simulation)
+        else:
+            agent = Agent(parse_agent_config(node_config, simulation=simulation))
+    except (AgentConfigError, LedgerError, ValueError, OSError) as exc:
+        # Fixed text on the wire: a configuration or ledger message names the owner's files and
+        # can carry the data's fingerprint (privacy.md §8); the details go to the client's log.
+        return refusal(wire.ERR_LEDGER, message_type, config, exc)
     outcome: Outcome | None = None
     try:
         outcome = agent.handle(message_type, config, arrays)
     finally:
         reusable = outcome is not None and outcome.error_code not in (wire.ERR_LEDGER, wire.ERR_INTERNAL)
         if cache is not None:
-            cache.checkin(node_config, agent, reusable=reusable)
+            cache.checkin(node_config, agent, reusable=reusable, simulation=simulation)
         else:
             agent.close()
     fault_point("before_send")
     return outcome
 
 
-def handle_message(msg: Message, context: Context) -> Message:
+def handle_message(msg: Message, context: Context, *, simulation: bool = False) -> Message:
     """The ClientApp handler: Flower message in, :func:`answer_request`, Flower message out."""
     try:
         req_config, req_arrays = decode_content(msg.content)
     except wire.ProtocolError as exc:
-        return Message(Error(code=wire.ERR_MALFORMED, reason=str(exc)), reply_to=msg)
-    outcome = answer_request(context.node_config, msg.metadata.message_type, req_config, req_arrays)
+        outcome = refusal(wire.ERR_MALFORMED, msg.metadata.message_type, {}, exc)
+        return Message(Error(code=outcome.error_code, reason=outcome.error_reason), reply_to=msg)
+    outcome = answer_request(
+        context.node_config, msg.metadata.message_type, req_config, req_arrays, simulation=simulation
+    )
     if outcome.is_error:
         return Message(Error(code=outcome.error_code, reason=outcome.error_reason), reply_to=msg)
     assert outcome.config is not None and outcome.arrays is not None
@@ -83,20 +90,30 @@ def simulation_node_config(per_partition: Mapping[int, Mapping[str, Any]]) -> Ca
     return mod
 
 
-def register_handlers(client: ClientApp) -> ClientApp:
-    """Route the protocol's message types to :func:`handle_message` (secagg's steps included)."""
-    client.train("gradient")(handle_message)
-    client.query("indicator")(handle_message)
-    client.query("monitor")(handle_message)
-    client.query("status")(handle_message)
+def handle_simulated_message(msg: Message, context: Context) -> Message:
+    """:func:`handle_message` for the simulation engine's ClientApp: seeded noise is admitted."""
+    return handle_message(msg, context, simulation=True)
+
+
+def register_handlers(client: ClientApp, *, simulation: bool = False) -> ClientApp:
+    """Route the protocol's message types to :func:`handle_message` (secagg's steps included).
+
+    ``simulation`` is set in code by the simulation engines only (never from a configuration):
+    the deployed app (:data:`app`) refuses an agent configuration with ``noise-seed``.
+    """
+    handler = handle_simulated_message if simulation else handle_message
+    client.train("gradient")(handler)
+    client.query("indicator")(handler)
+    client.query("monitor")(handler)
+    client.query("status")(handler)
     for step in wire.SECAGG_STEPS:  # "query.secagg_keys" -> query("secagg_keys")
-        client.query(step.split(".", 1)[1])(handle_message)
+        client.query(step.split(".", 1)[1])(handler)
     return client
 
 
-def build_client_app(mods: list[Callable[..., Message]] | None = None) -> ClientApp:
-    """A ClientApp with extra mods (simulations pass :func:`simulation_node_config`)."""
-    return register_handlers(ClientApp(mods=mods or []))
+def build_client_app(mods: list[Callable[..., Message]] | None = None, *, simulation: bool = False) -> ClientApp:
+    """A ClientApp with extra mods (simulations pass :func:`simulation_node_config` and ``simulation=True``)."""
+    return register_handlers(ClientApp(mods=mods or []), simulation=simulation)
 
 
 app = ClientApp()

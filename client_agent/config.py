@@ -23,6 +23,7 @@ from protocol.releases import tree_levels
 from protocol.validate import PrivacyParameterError, open_unit, positive, positive_int
 
 AGENT_FILTERS: tuple[str, ...] = (*FILTER_KINDS, "realisation")
+DEFAULT_MIN_NOISE_STD = 1e-6
 
 
 class AgentConfigError(ValueError):
@@ -33,15 +34,23 @@ class AgentConfigError(ValueError):
 class Policy:
     """Limits the client keeps whatever the coordinator asks (a request outside them spends nothing)."""
 
-    min_noise_std: float = 0.0
+    # A safe non-zero floor: with noise_std >= 1e-6 every cost (norm / noise_std)^2 of a wire-valid
+    # request is a finite float (the decoder also refuses pairs whose squares or ratios are not
+    # finite normal numbers). Owners should set their own, larger floor.
+    min_noise_std: float = DEFAULT_MIN_NOISE_STD
     min_noise_multiplier: float = 0.0  # noise_std / l2_clip
     max_clip: float = math.inf
     allowed_kinds: tuple[str, ...] = MESSAGE_TYPES  # the parser's default too
     allowed_trust: tuple[str, ...] = TRUST_MODES
     max_model_params: int = 10_000_000
+    # A rate limit per run id, not a budget: a coordinator may start new run ids. What bounds a
+    # unit's total loss is its filter over the ledger, which no run id resets (privacy.md §9).
     max_rounds_per_run: int = 100_000
     # secagg trust: the fewest clients whose inputs a session may sum (m); each adds sigma^2 / m of the noise.
     min_secagg_clients: int = 2
+    # secagg trust: the fewest fixed-point fraction bits; each masked input pays a rounding slack
+    # sqrt(d) / 2^scale_bits on its norm, so a coordinator asking for few bits would burn budget.
+    min_secagg_scale_bits: int = 16
 
     def __post_init__(self) -> None:
         # A NaN limit would compare False with everything and silently switch the limit off.
@@ -51,6 +60,11 @@ class Policy:
         ):
             if not math.isfinite(value) or value < 0:
                 raise AgentConfigError(f"{name}: expected a finite number >= 0, got {value!r}")
+        if self.min_noise_std <= 0:
+            raise AgentConfigError(
+                f"policy-min-noise-std: expected a number > 0 (a floor that keeps every cost finite), "
+                f"got {self.min_noise_std!r}"
+            )
         if math.isnan(self.max_clip) or self.max_clip <= 0:
             raise AgentConfigError(f"policy-max-clip: expected a number > 0 (inf for no limit), got {self.max_clip!r}")
         for name, count in (
@@ -70,6 +84,7 @@ class Policy:
             "max_model_params": self.max_model_params,
             "max_rounds_per_run": self.max_rounds_per_run,
             "min_secagg_clients": self.min_secagg_clients,
+            "min_secagg_scale_bits": self.min_secagg_scale_bits,
         }
 
 
@@ -149,6 +164,13 @@ class AgentConfig:
             if value not in choices:
                 raise AgentConfigError(f"{name}: expected one of {choices}, got {value!r}")
         if self.filter == "realisation":
+            if self.unit != "client":
+                # Several records share one noise draw; a record's realised loss uses that noise,
+                # so the other records' stopping times would depend on its data (privacy.md §6).
+                raise AgentConfigError(
+                    f"filter: 'realisation' needs unit 'client' (one unit per noise draw), got unit {self.unit!r}; "
+                    "records that share a client's noise cannot use the realisation-level filter"
+                )
             if self.trust != "local":
                 raise AgentConfigError("filter: 'realisation' needs trust 'local' (the unit must know its noise)")
             if self.realisation_max_rounds < 1:
@@ -218,6 +240,7 @@ _KEYS = {
     "policy-max-model-params",
     "policy-max-rounds-per-run",
     "policy-secagg-min-clients",
+    "policy-secagg-min-scale-bits",
     "noise-seed",
 }
 # Keys Flower itself puts into a simulated node's config.
@@ -253,8 +276,13 @@ def _names(raw: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> tuple[
     return out
 
 
-def parse_agent_config(node_config: Mapping[str, Any]) -> AgentConfig:
-    """Build the agent's configuration from Flower's node config (flat keys or ``agent-config`` = TOML path)."""
+def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = False) -> AgentConfig:
+    """Build the agent's configuration from Flower's node config (flat keys or ``agent-config`` = TOML path).
+
+    ``simulation`` is a switch in code, set only by the simulation engines: no configuration
+    file or node-config key can set it. Only with it is ``noise-seed`` accepted (seeded noise is
+    reproducible, and so guessable: a small seed was brute-forced and an exact count recovered).
+    """
     raw: dict[str, Any] = dict(node_config)
     if "agent-config" in raw:
         path = Path(str(raw.pop("agent-config")))
@@ -275,7 +303,7 @@ def parse_agent_config(node_config: Mapping[str, Any]) -> AgentConfig:
         raise AgentConfigError(f"agent config: unknown keys {unknown}; expected keys among {sorted(_KEYS)}")
     inf = math.inf
     policy = Policy(
-        min_noise_std=_get(raw, "policy-min-noise-std", float, 0.0),
+        min_noise_std=_get(raw, "policy-min-noise-std", float, DEFAULT_MIN_NOISE_STD),
         min_noise_multiplier=_get(raw, "policy-min-noise-multiplier", float, 0.0),
         max_clip=_get(raw, "policy-max-clip", float, inf),
         allowed_kinds=_names(raw, "policy-allowed-kinds", MESSAGE_TYPES),
@@ -283,7 +311,12 @@ def parse_agent_config(node_config: Mapping[str, Any]) -> AgentConfig:
         max_model_params=_get(raw, "policy-max-model-params", int, 10_000_000),
         max_rounds_per_run=_get(raw, "policy-max-rounds-per-run", int, 100_000),
         min_secagg_clients=_get(raw, "policy-secagg-min-clients", int, 2),
+        min_secagg_scale_bits=_get(raw, "policy-secagg-min-scale-bits", int, 16),
     )
+    if not 1 <= policy.min_secagg_scale_bits <= 52:
+        raise AgentConfigError(
+            f"policy-secagg-min-scale-bits: expected an integer in [1, 52], got {policy.min_secagg_scale_bits}"
+        )
     if policy.min_secagg_clients < 2:
         raise AgentConfigError(f"policy-secagg-min-clients: expected an integer >= 2, got {policy.min_secagg_clients}")
     monitor_kind = _get(raw, "monitor", str, "none")
@@ -299,6 +332,11 @@ def parse_agent_config(node_config: Mapping[str, Any]) -> AgentConfig:
     elif monitor_kind == "svt":
         monitor = MonitorReservation(kind="svt", epsilon_svt=_positive_cfg(raw, "monitor-epsilon"))
     seed = raw.get("noise-seed")
+    if seed is not None and not simulation:
+        raise AgentConfigError(
+            "noise-seed: seeded noise is for simulations and tests only; a deployed agent draws its noise "
+            "from the operating system (remove the key)"
+        )
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise AgentConfigError(f"agent config: 'noise-seed' must be an integer, got {seed!r}")
     return AgentConfig(

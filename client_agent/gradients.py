@@ -50,10 +50,30 @@ def _detached_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
     return params, buffers
 
 
+def _checked_weights(weights: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if weights is None:
+        return None
+    if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (n,) or not weights.is_floating_point():
+        got = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise ValueError(f"weights: expected a float tensor of shape ({n},), got {got}")
+    if not bool(torch.isfinite(weights).all()):
+        raise ValueError("weights: expected finite values")
+    return weights
+
+
 def per_example_gradients(
-    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, *, chunk_size: int = 1024
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    weights: torch.Tensor | None = None,
+    chunk_size: int = 1024,
 ) -> torch.Tensor:
     """Gradient of each example's loss, shape ``(n, d)`` float32, via ``vmap(grad(...))`` over chunks.
+
+    ``weights`` (shape ``(n,)``) multiplies each example's loss: weight 0 gives that example the
+    zero row by the same computation as every other example (the null element, privacy.md §1).
 
     Memory is bounded by ``chunk_size`` examples' gradients at a time plus the ``(n, d)`` result.
     Models with BatchNorm are rejected: batch statistics mix examples, so there is no per-example
@@ -67,18 +87,21 @@ def per_example_gradients(
             f"model: BatchNorm is not supported for per-example gradients (it mixes examples), found {batch_norms}"
         )
     n = _check_inputs(x, y)
+    w = _checked_weights(weights, n)
+    if w is None:
+        w = torch.ones(n, dtype=torch.float32, device=x.device)
     params, buffers = _detached_state(model)
 
-    def example_loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+    def example_loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
         logits = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
-        return _check_losses(loss_fn(logits, yi.unsqueeze(0)), 1).sum()
+        return _check_losses(loss_fn(logits, yi.unsqueeze(0)), 1).sum() * wi
 
-    example_grads = vmap(grad(example_loss), in_dims=(None, 0, 0))
+    example_grads = vmap(grad(example_loss), in_dims=(None, 0, 0, 0))
     d = sum(p.numel() for p in params.values())
     out = torch.empty((n, d), dtype=torch.float32, device=x.device)
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
-        grads = example_grads(params, x[start:stop], y[start:stop])
+        grads = example_grads(params, x[start:stop], y[start:stop], w[start:stop])
         offset = 0
         for name in params:  # straight into the result, no concatenated copy of the chunk
             g = grads[name].reshape(stop - start, -1)
@@ -87,13 +110,17 @@ def per_example_gradients(
     return out
 
 
-def summed_gradient(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Gradient of the summed loss over the batch, shape ``(d,)`` float32, by one ordinary backward pass."""
+def summed_gradient(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, *, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gradient of the (``weights``-weighted) summed loss over the batch, shape ``(d,)`` float32, one backward pass."""
     n = _check_inputs(x, y)
+    w = _checked_weights(weights, n)
     params, buffers = _detached_state(model)
     leaves = {name: p.requires_grad_(True) for name, p in params.items()}  # detached leaves, not the model's
     losses = _check_losses(loss_fn(functional_call(model, (leaves, buffers), (x,)), y), n)
-    grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+    total = losses.sum() if w is None else (losses * w).sum()
+    grads = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
     return torch.cat(
         [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(leaves.values(), grads, strict=True)]
     ).to(torch.float32)

@@ -428,6 +428,11 @@ class Ledger:
         if not isinstance(reply, bytes | bytearray | memoryview):
             raise LedgerError(f"{where}: expected reply to be bytes, found {type(reply).__name__}")
         state = _checked_arrays(f"{where}: new_state", new_state)
+        for name, array in state.items():
+            # A NaN or infinite spend would be committed as every later request's starting point and
+            # brick the ledger for good (every check after it fails): refuse it before it is stored.
+            if array.dtype.kind in "fc" and not np.all(np.isfinite(array)):
+                raise LedgerError(f"{where}: expected finite values in new_state[{name!r}], found NaN or infinity")
         if (diff := _layout_mismatch(self._layout, _layout(state))) is not None:
             raise LedgerError(f"{where}: new_state {diff}; the state's layout is fixed when the ledger is created")
         release_blob = _encode(_checked_arrays(f"{where}: release", release))

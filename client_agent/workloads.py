@@ -55,17 +55,15 @@ def gradient_rows(request: wire.GradientRequest, x: NDArray[Any], y: NDArray[Any
     with torch.no_grad():
         classes = int(model(torch.zeros_like(xt[:1])).shape[-1])
     usable = np.isfinite(xt.reshape(len(xt), -1).numpy()).all(axis=1) & (labels >= 0) & (labels < classes)
-    keep = torch.from_numpy(usable)
-    xt, yt = xt[keep], torch.from_numpy(labels[usable].astype(np.int64))
-    d = parameter_count(model)
+    # Every record goes through the same computation, usable or not (the work must not depend on
+    # which records are null, privacy.md §8): a null record gets zero features, label 0 and the
+    # loss weight 0, so its gradient row is exactly zero and it pays nothing.
+    weights = torch.from_numpy(usable.astype(np.float32))
+    xt = torch.where(weights.reshape(-1, *([1] * (xt.ndim - 1))) > 0, xt, torch.zeros((), dtype=xt.dtype))
+    yt = torch.from_numpy(np.where(usable, labels, 0).astype(np.int64))
     if unit == "record":
-        if usable.all():  # the usual case: no second (n, d) copy
-            return per_example_gradients(model, _cross_entropy, xt, yt).numpy()
-        rows = np.zeros((len(labels), d), dtype=np.float32)
-        if usable.any():
-            rows[usable] = per_example_gradients(model, _cross_entropy, xt, yt).numpy()
-        return rows
-    total = summed_gradient(model, _cross_entropy, xt, yt) if usable.any() else torch.zeros(d)
+        return per_example_gradients(model, _cross_entropy, xt, yt, weights=weights).numpy()
+    total = summed_gradient(model, _cross_entropy, xt, yt, weights=weights)
     return (total / len(labels)).reshape(1, -1).numpy().astype(np.float32)
 
 

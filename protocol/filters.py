@@ -316,16 +316,21 @@ def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_nor
     if not (math.isfinite(float(norms.sum())) and float(norms.min()) >= 0.0):
         raise PrivacyParameterError("l2_norms: expected finite norms >= 0, found NaN, infinity or a negative value")
     threshold = filt.threshold
-    new_spent = np.multiply(norms, 1.0 / sigma)
+    # The cost is (norm / sigma)^2, divided first: 1 / sigma overflows for a subnormal sigma.
+    new_spent = np.divide(norms, sigma)
     np.multiply(new_spent, new_spent, out=new_spent)
     new_spent += state.spent
+    if not math.isfinite(float(new_spent.sum())):
+        raise PrivacyParameterError(
+            f"noise_std: {sigma!r} prices these norms at a non-finite cost; expected (norm / noise_std)^2 to be finite"
+        )
     admitted = new_spent <= threshold
     admitted &= ~state.stopped
     wants = norms > 0
     refused = wants & ~admitted
-    # A unit with norm 0 already has new_spent == spent; only refused units need undoing.
-    if refused.any():
-        np.copyto(new_spent, state.spent, where=refused)
+    # A unit with norm 0 already has new_spent == spent; refused units are undone. The same
+    # operations run whoever is refused (the work must not depend on who stops, privacy.md §8).
+    np.copyto(new_spent, state.spent, where=refused)
     stopped = new_spent >= threshold * (1.0 - EXHAUSTED_FRACTION)
     stopped |= state.stopped
     stopped |= refused

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -68,6 +69,18 @@ ERROR_NAMES: dict[int, str] = {
     ERR_LEDGER: "ledger",
     ERR_INTERNAL: "internal",
 }
+# The only text an error reply carries: fixed per code, never an exception's message, which may
+# depend on the client's data, files or ledger (privacy.md §8). Details stay in the client's log.
+ERROR_TEXT: dict[int, str] = {
+    ERR_MALFORMED: "malformed: the request does not decode or does not fit this client "
+    "(details in the client's log); nothing was released",
+    ERR_POLICY: "policy: the request is outside this client's policy (its status reply states the policy; "
+    "details in the client's log); nothing was released",
+    ERR_REPLAY: "replay: this request id was already answered with other content; nothing was released",
+    ERR_LEDGER: "ledger: the client's ledger or configuration cannot answer (details in the client's log); "
+    "nothing was released",
+    ERR_INTERNAL: "internal: the client could not answer (details in the client's log); nothing was released",
+}
 
 
 def error_name(code: int) -> str:
@@ -116,6 +129,41 @@ def _positive(config: Mapping[str, Any], key: str, kind: str) -> float:
     if not math.isfinite(out) or out <= 0:
         raise ProtocolError(f"{kind}: {key!r} must be a finite number > 0, got {value!r}")
     return out
+
+
+_TINY = sys.float_info.min  # the smallest normal float64
+
+
+def _normal(x: float) -> bool:
+    """True for a finite, normal float64 (not zero, not subnormal, not infinite or NaN)."""
+    return math.isfinite(x) and abs(x) >= _TINY
+
+
+def _noise_and_clip(config: Mapping[str, Any], kind: str) -> dict[str, float]:
+    """``noise_std`` and ``l2_clip``, refused unless their squares and ratios are finite normal numbers.
+
+    Privacy note: the charge is (norm / noise_std)^2 per unit. A subnormal noise_std (1e-310)
+    passes a "finite and > 0" check, yet 1 / noise_std overflows and NaN would be committed as
+    every unit's spend, bricking the ledger; an extreme ratio overflows the same way. Refusing such
+    pairs at the wire keeps every cost a finite float (privacy.md §3: a non-finite parameter is an error).
+    """
+    sigma = _positive(config, "noise_std", kind)
+    clip = _positive(config, "l2_clip", kind)
+    derived = {
+        "noise_std^2": sigma * sigma,
+        "l2_clip^2": clip * clip,
+        "l2_clip / noise_std": clip / sigma,
+        "noise_std / l2_clip": sigma / clip,
+    }
+    ratio = clip / sigma
+    derived["(l2_clip / noise_std)^2"] = ratio * ratio
+    for name, value in derived.items():
+        if not _normal(value):
+            raise ProtocolError(
+                f"{kind}: noise_std {sigma!r} and l2_clip {clip!r} give {name} = {value!r}; expected every "
+                "square and ratio of the two to be a finite normal number"
+            )
+    return {"noise_std": sigma, "l2_clip": clip}
 
 
 def _real(config: Mapping[str, Any], key: str, kind: str) -> float:
@@ -322,8 +370,7 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
         _no_extra(config, arrays, kind, _GRADIENT_KEYS | extra_keys, {"parameters"} | extra_arrays)
         return GradientRequest(
             **_base(config, kind),
-            noise_std=_positive(config, "noise_std", kind),
-            l2_clip=_positive(config, "l2_clip", kind),
+            **_noise_and_clip(config, kind),
             trust=_str(config, "trust", kind, choices=TRUST_MODES),
             unit=_str(config, "unit", kind, choices=UNITS),
             model=_str(config, "model", kind),
@@ -344,8 +391,7 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
             model = {}
         return IndicatorRequest(
             **_base(config, kind),
-            noise_std=_positive(config, "noise_std", kind),
-            l2_clip=_positive(config, "l2_clip", kind),
+            **_noise_and_clip(config, kind),
             trust=_str(config, "trust", kind, choices=TRUST_MODES),
             unit=_str(config, "unit", kind, choices=UNITS),
             predicate=_str(config, "predicate", kind, choices=PREDICATES),

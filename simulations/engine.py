@@ -39,7 +39,7 @@ def run_flower(
     results: dict[str, Any] = {}
     run_simulation(
         server_app=build_server_app(cfg, results, evaluate=evaluate, analyst=analyst),
-        client_app=build_client_app([simulation_node_config(node_configs)]),
+        client_app=build_client_app([simulation_node_config(node_configs)], simulation=True),
         num_supernodes=len(node_configs),
         backend_config=backend_config(num_cpus),  # type: ignore[arg-type]
     )

@@ -31,7 +31,7 @@ class InProcessTransport:
     def send(self, message_type: str, payloads: Mapping[int, Payload], *, timeout: float) -> RoundReplies:
         out = RoundReplies()
         for node, (config, arrays) in payloads.items():
-            outcome = answer_request(self.configs[node], message_type, dict(config), dict(arrays))
+            outcome = answer_request(self.configs[node], message_type, dict(config), dict(arrays), simulation=True)
             if outcome.is_error:
                 out.error(wire.error_name(outcome.error_code), outcome.error_reason)
             else:

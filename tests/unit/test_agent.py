@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client_agent.agent import INTERNAL_REASON, Agent
+from client_agent.agent import Agent
 from client_agent.config import AgentConfigError, parse_agent_config
 from client_agent.ledger import LedgerError
 from protocol import messages as wire
@@ -40,7 +40,7 @@ def make_agent(tmp_path: Path, data: tuple[np.ndarray, np.ndarray] | None = None
         "noise-seed": 3,
     }
     node_config.update(overrides)
-    return Agent(parse_agent_config(node_config))
+    return Agent(parse_agent_config(node_config, simulation=True))
 
 
 def gradient(request_id: str = "r1", **fields: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -152,7 +152,8 @@ def test_hostile_requests_refused_and_ledger_unchanged(
     config, arrays = mutate(*gradient())
     outcome = agent.handle(wire.GRADIENT, config, arrays)
     assert outcome.error_code == code
-    assert __import__("re").search(message, outcome.error_reason), outcome.error_reason
+    assert __import__("re").search(message, outcome.local_detail), outcome.local_detail
+    assert outcome.error_reason == wire.ERROR_TEXT[code]  # the wire carries the code's fixed text only
     assert ledger_snapshot(agent) == before
 
 
@@ -160,7 +161,7 @@ def test_unknown_kind_refused(tmp_path: Path) -> None:
     agent = make_agent(tmp_path)
     outcome = agent.handle("train.evil", *gradient())
     assert outcome.error_code == wire.ERR_MALFORMED
-    assert "message type: expected one of" in outcome.error_reason
+    assert "message type: expected one of" in outcome.local_detail
 
 
 def test_id_reused_with_other_content_is_refused(tmp_path: Path) -> None:
@@ -170,7 +171,7 @@ def test_id_reused_with_other_content_is_refused(tmp_path: Path) -> None:
     before = ledger_snapshot(agent)
     again = agent.handle(wire.GRADIENT, *gradient(noise_std=4.0))
     assert again.error_code == wire.ERR_REPLAY
-    assert "was answered before with other content" in again.error_reason
+    assert "was answered before with other content" in again.local_detail
     assert ledger_snapshot(agent) == before
     same = agent.handle(wire.GRADIENT, *gradient())
     assert same.arrays is not None and first.arrays is not None
@@ -184,7 +185,7 @@ def test_rounds_per_run_limit(tmp_path: Path) -> None:
         assert not agent.handle(wire.GRADIENT, *gradient(f"r{i}", round=i + 1)).is_error
     refused = agent.handle(wire.GRADIENT, *gradient("r5", round=6))
     assert refused.error_code == wire.ERR_POLICY
-    assert "the policy allows at most 5 requests per run" in refused.error_reason
+    assert "the policy allows at most 5 requests per run" in refused.local_detail
 
 
 def test_exhausted_local_reply_has_same_shape(tmp_path: Path) -> None:
@@ -242,7 +243,7 @@ def test_bad_agent_config() -> None:
     ]
     for override, message in refused:
         with pytest.raises(AgentConfigError, match=re.escape(message)):
-            parse_agent_config(base | override)
+            parse_agent_config(base | override, simulation=True)
 
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.floats(allow_nan=True), st.text(max_size=20))
@@ -385,15 +386,23 @@ def test_client_units_one_filter(tmp_path: Path) -> None:
     assert state["spent"][0] <= 1 / 16
 
 
+REALISATION = {"realisation-max-rounds": 6, "epsilon": 5.0, "policy-max-clip": 1.0, "policy-min-noise-std": 2.0}
+
+
+def test_realisation_filter_refuses_record_units(tmp_path: Path) -> None:
+    # privacy.md §6: records share their client's noise, so one record's data would move the
+    # others' realised losses and stopping times (issue 12, finding 1). Only client units.
+    with pytest.raises(AgentConfigError, match="'realisation' needs unit 'client'"):
+        make_agent(tmp_path, filter="realisation", unit="record", **REALISATION)
+    assert not (tmp_path / "ledger.sqlite").exists()  # refused before any ledger is created
+
+
 def test_realisation_filter_through_the_agent(tmp_path: Path) -> None:
-    # mu_max = policy-max-clip / policy-min-noise-std = 0.5.
-    agent = make_agent(
-        tmp_path,
-        filter="realisation",
-        **{"realisation-max-rounds": 6, "epsilon": 5.0, "policy-max-clip": 1.0, "policy-min-noise-std": 2.0},
-    )
+    # mu_max = policy-max-clip / policy-min-noise-std = 0.5; one client unit, its count clipped to 1.
+    agent = make_agent(tmp_path, filter="realisation", unit="client", **REALISATION)
     for r in range(1, 9):
-        outcome = agent.handle(wire.INDICATOR, *indicator(f"i{r}", round=r, run_id=f"q{r}", predicate="threshold"))
+        request = indicator(f"i{r}", round=r, run_id=f"q{r}", predicate="threshold", unit="client")
+        outcome = agent.handle(wire.INDICATOR, *request)
         assert not outcome.is_error, outcome.error_reason
     state = agent.ledger.state()
     assert int(state["answered"][0]) == 8
@@ -425,7 +434,7 @@ def test_monitor_tree_reserved_and_reported_once(tmp_path: Path) -> None:
     assert not first.is_error and first.arrays is not None and first.arrays["total"].shape == (5,)
     again = wire.encode_request(wire.MonitorRequest(request_id="m1b", run_id="run", round=1, trust="local"))
     refused = with_monitor.handle(wire.MONITOR, *again)
-    assert refused.error_code == wire.ERR_POLICY and "already reported" in refused.error_reason
+    assert refused.error_code == wire.ERR_POLICY and "already reported" in refused.local_detail
     assert plain.handle(wire.MONITOR, *request).error_code == wire.ERR_POLICY  # no reservation, no monitor
 
 
@@ -455,7 +464,8 @@ def test_unexpected_failure_is_a_typed_error_and_spends_nothing(
     outcome = agent.handle(wire.GRADIENT, *gradient())
     assert outcome.error_code == wire.ERR_INTERNAL
     # Fixed text: an exception's message may depend on the client's data and the error goes back uncharged.
-    assert outcome.error_reason == INTERNAL_REASON and "simulated failure" not in outcome.error_reason
+    assert outcome.error_reason == wire.ERROR_TEXT[wire.ERR_INTERNAL]
+    assert "simulated failure" in outcome.local_detail
     assert ledger_snapshot(agent) == before
 
 
@@ -550,7 +560,7 @@ def test_correct_predicate_counts_correctly_classified_records(tmp_path: Path) -
 def test_correct_predicate_needs_exactly_its_model(tmp_path: Path, fields: dict[str, Any], message: str) -> None:
     agent = make_agent(tmp_path)
     outcome = agent.handle(wire.INDICATOR, *indicator("bad", **fields))
-    assert outcome.error_code == wire.ERR_MALFORMED and message in outcome.error_reason
+    assert outcome.error_code == wire.ERR_MALFORMED and message in outcome.local_detail
     assert agent.ledger.requests_answered() == 0
 
 
@@ -567,7 +577,7 @@ def test_svt_reservation_belongs_to_the_first_run(tmp_path: Path) -> None:
     assert not first.is_error and first.arrays is not None and first.arrays["total"].tolist() == [10.0]
     assert not ask("run-a", 2).is_error
     refused = ask("run-b", 3)
-    assert refused.error_code == wire.ERR_POLICY and "belongs to an earlier run" in refused.error_reason
+    assert refused.error_code == wire.ERR_POLICY and "belongs to an earlier run" in refused.local_detail
     assert not ask("run-a", 4).is_error
 
 
@@ -578,7 +588,7 @@ def test_huge_model_args_are_refused_before_allocating(tmp_path: Path) -> None:
     huge = json.dumps({"in_features": 100_000, "hidden": [100_000], "out_features": 10})
     outcome = agent.handle(wire.GRADIENT, *gradient("huge", model="mlp", model_args=huge))
     assert outcome.error_code == wire.ERR_MALFORMED
-    assert "'parameters' must hold 10001100010 values" in outcome.error_reason
+    assert "'parameters' must hold 10001100010 values" in outcome.local_detail
     assert agent.ledger.requests_answered() == 0
 
 
@@ -594,7 +604,7 @@ def test_damaged_stored_reply_is_a_ledger_error_never_a_fresh_answer(tmp_path: P
     agent = make_agent(tmp_path)
     before = ledger_snapshot(agent)
     outcome = agent.handle(wire.GRADIENT, *gradient())  # the repeat of r1 must replay, and cannot
-    assert outcome.error_code == wire.ERR_LEDGER and "stored reply does not decode" in outcome.error_reason
+    assert outcome.error_code == wire.ERR_LEDGER and "stored reply does not decode" in outcome.local_detail
     assert ledger_snapshot(agent) == before
 
 

@@ -64,48 +64,48 @@ def cache() -> Any:
 
 def test_agent_is_reused_between_requests(tmp_path: Path, cache: AgentCache) -> None:
     cfg = node_config(tmp_path)
-    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
-    first = cache.checkout(cfg)
-    cache.checkin(cfg, first, reusable=True)
-    assert not answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache).is_error
-    again = cache.checkout(cfg)
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache, simulation=True).is_error
+    first = cache.checkout(cfg, simulation=True)
+    cache.checkin(cfg, first, reusable=True, simulation=True)
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache, simulation=True).is_error
+    again = cache.checkout(cfg, simulation=True)
     assert again is first  # the same open agent: no new open, no data reload
-    cache.checkin(cfg, again, reusable=True)
+    cache.checkin(cfg, again, reusable=True, simulation=True)
     # Every request charged, exactly as when the agent is opened and closed per request.
     ref_dir = tmp_path / "reference"
     ref_dir.mkdir()
     ref = node_config(ref_dir)
     for i in (1, 2):
-        assert not answer_request(ref, wire.GRADIENT, *gradient(i), cache=None).is_error
+        assert not answer_request(ref, wire.GRADIENT, *gradient(i), cache=None, simulation=True).is_error
     assert spent(cfg).tobytes() == spent(ref).tobytes()
     assert np.all(spent(cfg) > 0)
 
 
 def test_truncated_ledger_is_refused_not_answered_from_the_open_agent(tmp_path: Path, cache: AgentCache) -> None:
     cfg = node_config(tmp_path)
-    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache, simulation=True).is_error
     path = Path(cfg["ledger-path"])
     cache.clear()  # checkpoint the WAL into the file, as a process exit would, then damage the file
-    assert not answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache).is_error
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache, simulation=True).is_error
     path.write_bytes(path.read_bytes()[:1000])
-    outcome = answer_request(cfg, wire.GRADIENT, *gradient(3), cache=cache)
+    outcome = answer_request(cfg, wire.GRADIENT, *gradient(3), cache=cache, simulation=True)
     assert outcome.error_code == wire.ERR_LEDGER
-    assert "corrupt" in outcome.error_reason
+    assert "corrupt" in outcome.local_detail
     assert len(cache) == 0  # an agent whose ledger failed is not kept
 
 
 def test_edited_ledger_bytes_force_a_full_reopen(tmp_path: Path, cache: AgentCache) -> None:
     cfg = node_config(tmp_path)
-    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
-    kept = cache.checkout(cfg)
-    cache.checkin(cfg, kept, reusable=True)
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache, simulation=True).is_error
+    kept = cache.checkout(cfg, simulation=True)
+    cache.checkin(cfg, kept, reusable=True, simulation=True)
     path = Path(cfg["ledger-path"])
     with path.open("r+b") as handle:  # same size, different bytes: only the timestamps tell
         handle.seek(0)
         handle.write(b"NOT SQLITE")
-    outcome = answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache)
+    outcome = answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache, simulation=True)
     assert outcome.error_code == wire.ERR_LEDGER
-    assert "header" in outcome.error_reason
+    assert "header" in outcome.local_detail
 
 
 def test_another_process_committing_is_seen_and_no_spend_is_lost(tmp_path: Path, cache: AgentCache) -> None:
@@ -113,13 +113,13 @@ def test_another_process_committing_is_seen_and_no_spend_is_lost(tmp_path: Path,
     # Two "processes" on one ledger, alternating: this cache, and an agent opened per request.
     for i in range(1, 7):
         use = cache if i % 2 else None
-        outcome = answer_request(cfg, wire.GRADIENT, *gradient(i), cache=use)
+        outcome = answer_request(cfg, wire.GRADIENT, *gradient(i), cache=use, simulation=True)
         assert not outcome.is_error, outcome.error_reason
     ref_dir = tmp_path / "reference"
     ref_dir.mkdir()
     ref = node_config(ref_dir)
     for i in range(1, 7):
-        assert not answer_request(ref, wire.GRADIENT, *gradient(i), cache=None).is_error
+        assert not answer_request(ref, wire.GRADIENT, *gradient(i), cache=None, simulation=True).is_error
     assert spent(cfg).tobytes() == spent(ref).tobytes()
     with Ledger.open_existing(Path(cfg["ledger-path"])) as ledger:
         assert ledger.requests_answered() == 6
@@ -127,18 +127,21 @@ def test_another_process_committing_is_seen_and_no_spend_is_lost(tmp_path: Path,
 
 def test_new_data_file_reopens_and_the_ledger_refuses_it(tmp_path: Path, cache: AgentCache) -> None:
     cfg = node_config(tmp_path)
-    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache, simulation=True).is_error
     x = np.ones((10, 3), np.float32)
     np.savez(tmp_path / "data.npz", x=x, y=np.zeros(10, np.int64))
-    outcome = answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache)
+    outcome = answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache, simulation=True)
     assert outcome.error_code == wire.ERR_LEDGER
-    assert "data_sha256" in outcome.error_reason
+    assert "data_sha256" in outcome.local_detail
+    # privacy: the mismatch names both data fingerprints; only the code's fixed text may leave the client
+    assert outcome.error_reason == wire.ERROR_TEXT[wire.ERR_LEDGER]
+    assert str(tmp_path) not in outcome.error_reason
 
 
 def test_replayed_request_from_the_open_agent_is_byte_identical(tmp_path: Path, cache: AgentCache) -> None:
     cfg = node_config(tmp_path)
-    first = answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache)
-    again = answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache)
+    first = answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache, simulation=True)
+    again = answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache, simulation=True)
     assert first.config == again.config
     for name in first.arrays:
         assert first.arrays[name].tobytes() == again.arrays[name].tobytes()
@@ -152,7 +155,7 @@ def test_least_recently_used_agents_are_closed(tmp_path: Path) -> None:
         for k in range(3):
             d = tmp_path / f"c{k}"
             d.mkdir()
-            assert not answer_request(node_config(d), wire.GRADIENT, *gradient(1), cache=cache).is_error
+            assert not answer_request(node_config(d), wire.GRADIENT, *gradient(1), cache=cache, simulation=True).is_error
         assert len(cache) == 2
     finally:
         cache.clear()
@@ -171,11 +174,11 @@ def test_edited_agent_file_policy_holds_from_the_next_request(tmp_path: Path, ca
     lines = [f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}" for k, v in flat.items()]
     toml.write_text("\n".join(lines) + "\npolicy-min-noise-std = 1.0\n")
     cfg = {"agent-config": str(toml)}
-    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache, simulation=True).is_error
     toml.write_text("\n".join(lines) + "\npolicy-min-noise-std = 10.0\n")  # the owner tightens the policy
-    outcome = answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache)
+    outcome = answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache, simulation=True)
     assert outcome.error_code == wire.ERR_POLICY
-    assert "noise_std 4.0 asked; the policy requires noise_std >= 10.0" in outcome.error_reason
+    assert "noise_std 4.0 asked; the policy requires noise_std >= 10.0" in outcome.local_detail
 
 
 def test_another_threads_agent_is_never_used_or_closed_here(tmp_path: Path, cache: AgentCache) -> None:
@@ -186,7 +189,7 @@ def test_another_threads_agent_is_never_used_or_closed_here(tmp_path: Path, cach
 
     def answer_in_thread() -> None:
         try:
-            assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache).is_error
+            assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache, simulation=True).is_error
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -195,5 +198,5 @@ def test_another_threads_agent_is_never_used_or_closed_here(tmp_path: Path, cach
     worker.join()
     assert not errors and len(cache) == 1
     # This thread gets its own agent (SQLite connections are per thread), and the dead thread's is not closed here.
-    assert not answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache).is_error
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache, simulation=True).is_error
     cache.clear()

@@ -56,6 +56,7 @@ class AgentTransport:
         self.agents = dict(agents)
         self.drop = dict(drop or {})
         self.sent: list[tuple[str, dict[int, Payload]]] = []
+        self.details: list[str] = []  # the clients' own log lines for their refusals (never on the wire)
 
     def node_ids(self, count: int, *, timeout: float) -> list[int]:
         return sorted(self.agents)[:count]
@@ -69,6 +70,8 @@ class AgentTransport:
                 continue
             outcome = self.agents[node].handle(message_type, dict(config), dict(arrays))
             if outcome.is_error:
+                assert outcome.error_reason == wire.ERROR_TEXT[outcome.error_code]  # fixed text only
+                self.details.append(outcome.local_detail)
                 out.error(wire.error_name(outcome.error_code), outcome.error_reason)
             else:
                 assert outcome.config is not None and outcome.arrays is not None
@@ -83,7 +86,7 @@ def no_noise(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def agents(tmp_path: Path, n: int, **over: Any) -> dict[int, Agent]:
-    return {1000 + i: Agent(parse_agent_config(node_config(tmp_path, i, **over))) for i in range(n)}
+    return {1000 + i: Agent(parse_agent_config(node_config(tmp_path, i, **over), simulation=True)) for i in range(n)}
 
 
 def gradient_config(nodes: int, **over: Any) -> CoordinatorConfig:
@@ -235,12 +238,12 @@ def test_one_masked_input_and_one_unmask_answer_per_session_even_after_a_restart
     assert not same.is_error and same.arrays is not None
     other = agent.handle(wire.INDICATOR, {**config, "request_id": "another-id", "value": 0.0}, dict(arrays))
     assert other.error_code == wire.ERR_REPLAY
-    assert "already sent its masked input for another request" in other.error_reason
+    assert "already sent its masked input for another request" in other.local_detail
     np.testing.assert_array_equal(agent.ledger.state()["spent"], before)  # no second charge
     unmask = next(p for k, p in transport.sent if k == wire.SECAGG_UNMASK)[node]
     fewer = dict(unmask[1], survivors=np.array([0, 1], np.int64))
     refused = agent.handle(wire.SECAGG_UNMASK, {**unmask[0], "request_id": "u2"}, fewer)
-    assert refused.error_code == wire.ERR_REPLAY and "could give both shares of one peer" in refused.error_reason
+    assert refused.error_code == wire.ERR_REPLAY and "could give both shares of one peer" in refused.local_detail
     repeat = agent.handle(wire.SECAGG_UNMASK, dict(unmask[0]), dict(unmask[1]))
     assert not repeat.is_error  # the same request gets the stored answer
     agent.close()
@@ -254,21 +257,21 @@ def test_steps_out_of_order_or_from_another_run_are_refused(tmp_path: Path) -> N
     zeros = np.zeros((3, sa.CIPHERTEXT_BYTES), np.uint8)
     ghost = wire.SecaggInput("s1", BITS, sa.value_bound_for(3), np.arange(3, dtype=np.int64), zeros)
     early = agent.handle(wire.INDICATOR, *wire.encode_request(count_request(1000, ghost)))
-    assert early.error_code == wire.ERR_MALFORMED and "step 2 (shares) was not answered" in early.error_reason
+    assert early.error_code == wire.ERR_MALFORMED and "step 2 (shares) was not answered" in early.local_detail
     unknown = wire.SecaggUnmaskRequest("u", "run", 1, "secagg", "nope", np.arange(3, dtype=np.int64))
     refused = agent.handle(wire.SECAGG_UNMASK, *wire.encode_request(unknown))
-    assert refused.error_code == wire.ERR_MALFORMED and "'nope': step 1 (keys) was not answered" in refused.error_reason
+    assert refused.error_code == wire.ERR_MALFORMED and "'nope': step 1 (keys) was not answered" in refused.local_detail
     roster_other_run = wire.SecaggSharesRequest(
         "sh", "other-run", 1, "secagg", "s1", 2, np.zeros((2, 32), np.uint8), np.zeros((2, 32), np.uint8)
     )
     wrong_run = agent.handle(wire.SECAGG_SHARES, *wire.encode_request(roster_other_run))
     assert wrong_run.error_code == wire.ERR_MALFORMED
-    assert "expected run 'run' round 1, got run 'other-run' round 1" in wrong_run.error_reason
+    assert "expected run 'run' round 1, got run 'other-run' round 1" in wrong_run.local_detail
     stranger_keys = np.stack([np.frombuffer(sa.generate_keypair()[1], np.uint8) for _ in range(4)])
     not_listed = wire.SecaggSharesRequest("sh", "run", 1, "secagg", "s1", 2, stranger_keys[:2], stranger_keys[2:])
     missing = agent.handle(wire.SECAGG_SHARES, *wire.encode_request(not_listed))
     assert missing.error_code == wire.ERR_MALFORMED
-    assert "expected this client's advertised keys exactly once" in missing.error_reason
+    assert "expected this client's advertised keys exactly once" in missing.local_detail
     assert agent.ledger.state()["spent"][0] == 0.0
 
 
@@ -281,9 +284,10 @@ def test_a_range_too_small_for_the_worst_case_is_refused_before_any_charge(tmp_p
                 payloads = {n: ({**c, "secagg_value_bound": 10**6}, a) for n, (c, a) in payloads.items()}
             return super().send(message_type, payloads, timeout=timeout)
 
-    result = session(Narrow(group), 2)
+    transport = Narrow(group)
+    result = session(transport, 2)
     assert result.total is None
-    reason = next(iter(result.replies.reasons))
+    reason = transport.details[0]
     assert "this client's worst case needs values up to" in reason and "the session allows 1000000" in reason
     assert all(a.ledger.state()["spent"][0] == 0.0 for a in group.values())
 
@@ -302,22 +306,24 @@ def test_tampered_shares_are_refused_before_any_charge(tmp_path: Path) -> None:
                 payloads = changed
             return super().send(message_type, payloads, timeout=timeout)
 
-    result = session(Tamper(group), 2)
+    transport = Tamper(group)
+    result = session(transport, 2)
     assert result.total is None
-    assert any("share from peer 0 to" in r and "does not authenticate" in r for r in result.replies.reasons)
+    assert any("share from peer 0 to" in r and "does not authenticate" in r for r in transport.details)
     assert all(a.ledger.state()["spent"][0] == 0.0 for a in group.values())
 
 
 def test_local_trust_clients_and_low_thresholds_are_refused(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
-    local = Agent(parse_agent_config(node_config(tmp_path / "a", 0, trust="local")))
+    local = Agent(parse_agent_config(node_config(tmp_path / "a", 0, trust="local"), simulation=True))
     keys = local.handle(wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s", "run", 1, "secagg")))
     assert keys.error_code == wire.ERR_POLICY
-    assert "trust 'secagg' asked; this client's ledger is fixed to trust 'local'" in keys.error_reason
+    assert "trust 'secagg' asked; this client's ledger is fixed to trust 'local'" in keys.local_detail
     strict = agents(tmp_path, 3, **{"policy-secagg-min-clients": 3})
-    result = session(AgentTransport(strict), 2)
+    transport = AgentTransport(strict)
+    result = session(transport, 2)
     assert result.total is None
-    assert any("secagg min_clients 2 asked; the policy requires at least 3" in r for r in result.replies.reasons)
+    assert any("secagg min_clients 2 asked; the policy requires at least 3" in r for r in transport.details)
 
 
 def test_secagg_ledger_is_fixed_to_secagg(tmp_path: Path) -> None:
@@ -328,7 +334,7 @@ def test_secagg_ledger_is_fixed_to_secagg(tmp_path: Path) -> None:
     agent.close()
     for other in ("central", "local"):
         with pytest.raises(LedgerError, match="trust"):
-            Agent(parse_agent_config(node_config(tmp_path, 0, trust=other)))
+            Agent(parse_agent_config(node_config(tmp_path, 0, trust=other), simulation=True))
     Agent(config).close()
 
 
@@ -490,7 +496,7 @@ def test_enrolment_refuses_clients_with_different_tree_noise(tmp_path: Path) -> 
     """Node noise sigma_m^2 / m per client sums to the mean sigma_m^2: a larger reservation would be under-covered."""
     tree = {"unit": "record", "epsilon": 2.0, "monitor": "tree", "monitor-max-rounds": 8}
     group = {
-        1000 + i: Agent(parse_agent_config(node_config(tmp_path, i, **tree, **{"monitor-noise-std": s})))
+        1000 + i: Agent(parse_agent_config(node_config(tmp_path, i, **tree, **{"monitor-noise-std": s}), simulation=True))
         for i, s in enumerate((16.0, 8.0, 8.0))
     }
     cfg = gradient_config(3, rounds=8, monitor="tree", monitor_threshold=1, secagg_min_clients=3)

@@ -1,0 +1,222 @@
+"""The agent's work does not depend on who stopped or which records are null (issue 12, finding 4).
+
+A reply whose computation takes longer when more units are stopped, or when some record is
+unusable, tells the coordinator what the monitor and the null-element rule hide (privacy.md
+§1, §7, §8): an exhausted client answered 15-20 ms slower on ~150 ms, and an unusable record
+cost an extra (n x d) copy. Timing tests are flaky and forbidden here, so this checks two
+deterministic witnesses of the work instead, through the agent's real contribution and release
+code:
+
+- the exact sequence of executed lines in the project's own code (``sys.settrace``): a branch
+  taken for some units, or a loop whose length depends on them, changes it;
+- the numpy memory the computation allocates at its peak (``tracemalloc``): an extra copy of
+  the rows, or index arrays as long as the stopped set, change it.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client_agent.agent import Agent
+from client_agent.config import parse_agent_config
+from protocol import messages as wire
+
+MODEL_ARGS = '{"in_features": 100, "n_classes": 2}'
+ROOT = Path(__file__).resolve().parents[2]
+OWN = tuple(str(ROOT / pkg) for pkg in ("client_agent", "protocol"))
+N, FEATURES = 400, 100  # rows of d = 202 floats: one copy of them is 323 KB
+
+
+def make_agent(tmp_path: Path, x: np.ndarray, y: np.ndarray, **over: Any) -> Agent:
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    cfg = {
+        "ledger-path": str(tmp_path / "ledger.sqlite"),
+        "data-path": str(tmp_path / "data.npz"),
+        "epsilon": 1.0,
+        "delta": 1e-5,
+        "unit": "record",
+        "trust": "local",
+        "noise-seed": 1,
+    } | over
+    return Agent(parse_agent_config(cfg, simulation=True))
+
+
+def data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, FEATURES)).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int64)
+
+
+def gradient_request(l2_clip: float = 0.5, noise_std: float = 1.0) -> wire.GradientRequest:
+    config, arrays = wire.encode_request(
+        wire.GradientRequest(
+            request_id="r1",
+            run_id="run",
+            round=1,
+            noise_std=noise_std,
+            l2_clip=l2_clip,
+            trust="local",
+            unit="record",
+            model="logreg",
+            model_args=MODEL_ARGS,
+            parameters=np.full(FEATURES * 2 + 2, 0.05, np.float32),
+        )
+    )
+    request = wire.decode_request(wire.GRADIENT, config, arrays)
+    assert isinstance(request, wire.GradientRequest)
+    return request
+
+
+def traced_lines(fn: Callable[[], object], roots: tuple[str, ...] = OWN) -> list[tuple[str, int]]:
+    """The lines of the project's own code that ``fn`` executes, in order."""
+    lines: list[tuple[str, int]] = []
+
+    def tracer(frame: FrameType, event: str, arg: object) -> Any:
+        if not frame.f_code.co_filename.startswith(roots):
+            return None
+        if event == "line":
+            lines.append((Path(frame.f_code.co_filename).name, frame.f_lineno))
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return lines
+
+
+def peak_allocation(fn: Callable[[], object]) -> int:
+    """The peak of the memory ``fn`` allocates through Python's and numpy's allocators (tracemalloc)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def witness(fn: Callable[[], object]) -> tuple[list[tuple[str, int]], int]:
+    """Both witnesses of ``fn``'s work, after warm-up runs (first imports and caches are not its work)."""
+    for _ in range(2):
+        fn()
+    return traced_lines(fn), peak_allocation(fn)
+
+
+def release_witness(agent: Agent, state: dict[str, np.ndarray], request: wire.GradientRequest) -> Any:
+    def run() -> None:
+        rows = agent.contributions(request)
+        agent.release(request, rows, state)
+
+    return witness(run)
+
+
+def assert_same_work(a: Any, b: Any) -> None:
+    lines_a, peak_a = a
+    lines_b, peak_b = b
+    assert len(lines_a) == len(lines_b), (len(lines_a), len(lines_b))
+    assert lines_a == lines_b
+    # The same arrays are allocated; allow 16 KiB (5% of one copy of the rows) for small Python
+    # objects whose lifetimes differ from run to run.
+    assert abs(peak_a - peak_b) <= 16 * 1024, (peak_a, peak_b)
+
+
+@pytest.mark.parametrize(
+    ("filter_kind", "l2_clip", "noise_std"),
+    # Record norms are about 7. At sigma 100 the partial clip sigma sqrt(T - S) is above them (only
+    # stopped units and the ten near their end are scaled); at sigma 1 every row is clipped.
+    [("gdp", 100.0, 100.0), ("renyi", 100.0, 100.0), ("gdp", 0.05, 1.0)],
+)
+def test_release_work_does_not_depend_on_who_stopped(
+    tmp_path: Path, filter_kind: str, l2_clip: float, noise_std: float
+) -> None:
+    agent = make_agent(tmp_path, *data(), filter=filter_kind)
+    request = gradient_request(l2_clip, noise_std)
+    fresh = agent.ledger.state()
+    assert agent.gaussian is not None
+    threshold = agent.gaussian.threshold
+    rng = np.random.default_rng(5)
+    states = []
+    for stopped_fraction in (0.0, 0.5, 1.0):
+        stopped = rng.random(N) < stopped_fraction
+        spent = np.where(stopped, threshold, rng.random(N) * threshold * 0.5)
+        # A unit near its end: partial clipping shrinks it, so clipped rows differ as well.
+        spent[:10] = np.where(stopped[:10], threshold, threshold * 0.999)
+        states.append(fresh | {"spent": spent, "stopped": stopped})
+    witnesses = [release_witness(agent, s, request) for s in states]
+    for other in witnesses[1:]:
+        assert_same_work(witnesses[0], other)
+    agent.close()
+
+
+def test_release_work_does_not_depend_on_unusable_records(tmp_path: Path) -> None:
+    x, y = data()
+    request = gradient_request()
+    witnesses = []
+    for case in ("usable", "label", "nonfinite"):
+        xc, yc = x.copy(), y.copy()
+        if case == "label":
+            yc[::7] = 5  # outside the coordinator's 2 classes: the null element
+        elif case == "nonfinite":
+            xc[::11, 3] = np.inf
+        folder = tmp_path / case
+        folder.mkdir()
+        agent = make_agent(folder, xc, yc)
+        witnesses.append(release_witness(agent, agent.ledger.state(), request))
+        agent.close()
+    for other in witnesses[1:]:
+        assert_same_work(witnesses[0], other)
+
+
+def test_realisation_release_work_does_not_depend_on_acceptance(tmp_path: Path) -> None:
+    x, y = data()
+    agent = make_agent(
+        tmp_path,
+        x,
+        y,
+        filter="realisation",
+        unit="client",
+        epsilon=5.0,
+        **{"realisation-max-rounds": 8, "policy-max-clip": 1.0, "policy-min-noise-std": 1.0},
+    )
+    config, arrays = wire.encode_request(
+        wire.GradientRequest("r1", "run", 1, 1.0, 0.5, "local", "client", "logreg", MODEL_ARGS,
+                             np.full(FEATURES * 2 + 2, 0.05, np.float32))
+    )
+    request = wire.decode_request(wire.GRADIENT, config, arrays)
+    assert isinstance(request, wire.GradientRequest)
+    fresh = agent.ledger.state()
+    stopped = fresh | {"accepting": np.zeros(1, dtype=np.bool_), "loss": np.array([3.0])}
+    assert_same_work(release_witness(agent, fresh, request), release_witness(agent, stopped, request))
+    agent.close()
+
+
+def test_witness_sees_a_loop_over_the_stopped_set() -> None:
+    """The witness has power: a kernel that touches only the rows it scales, as the old one did, is caught."""
+    rows = np.ones((64, 8), np.float32)
+
+    def old_kernel(stopped: np.ndarray) -> Callable[[], object]:
+        def run() -> object:
+            scales = np.where(stopped, 0.0, 1.0).astype(np.float32)
+            shrink = np.flatnonzero(scales != 1.0)
+            for start in range(0, shrink.size, 16):
+                idx = shrink[start : start + 16]
+                rows[idx] *= scales[idx, None]
+            return rows
+
+        return run
+
+    here = (str(Path(__file__).resolve()),)
+    none = traced_lines(old_kernel(np.zeros(64, dtype=np.bool_)), roots=here)
+    half = traced_lines(old_kernel(np.arange(64) % 2 == 0), roots=here)
+    assert none != half
