@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import ssl
@@ -23,6 +24,7 @@ from simulations.deploy import (
     connection_toml,
     make_certificates,
     make_node_keys,
+    toml_value,
     write_agent_toml,
 )
 from simulations.local_deployment import run_config_args
@@ -180,3 +182,29 @@ def test_connection_toml_is_what_flwr_reads(tmp_path: Path, monkeypatch: pytest.
     conn = read_superlink_connection(None)
     assert conn.name == "fedfilter-local" and conn.address == "127.0.0.1:9093"
     assert conn.root_certificates == str((tmp_path / "ca.crt").resolve())
+
+
+def test_agent_check_refuses_the_realisation_filter_over_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """privacy.md §6: records share their client's noise, so the realisation filter needs client units."""
+    np.savez(tmp_path / "data.npz", x=np.zeros((5, 3), np.float32), y=np.zeros(5, np.int64))
+    fields = {
+        "ledger-path": str(tmp_path / "ledger.sqlite"),
+        "data-path": str(tmp_path / "data.npz"),
+        "epsilon": 5.0,
+        "delta": 1e-5,
+        "filter": "realisation",
+        "realisation-max-rounds": 10,
+        "policy-max-clip": 1.0,
+        "policy-min-noise-std": 2.0,
+    }
+    refused = tmp_path / "records.toml"  # written by hand: write_agent_toml itself refuses it
+    refused.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in {**fields, "unit": "record"}.items()))
+    assert cli_main(["agent", "check", str(refused)]) == 2
+    assert "filter: 'realisation' needs unit 'client' (one unit per noise draw), got unit 'record'" in (
+        capsys.readouterr().err
+    )
+    accepted = write_agent_toml(tmp_path / "client.toml", {**fields, "unit": "client"})
+    assert cli_main(["agent", "check", str(accepted)]) == 0
+    assert json.loads(capsys.readouterr().out)["units"] == 1
