@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from client_agent.agent_cache import AgentCache
-from client_agent.client_app import answer_request
+from client_agent.direct import answer_request
 from client_agent.gradients import summed_gradient
 from client_agent.workloads import _cross_entropy
 from protocol import messages as wire

@@ -1,120 +1,79 @@
-"""The Flower ClientApp: thin wiring from Flower messages to :class:`client_agent.agent.Agent`.
+"""The deployed Flower ClientApp: a thin proxy to the data owner's agent service (privacy.md §10).
 
-The agent's configuration comes from Flower's node config (deployment: ``--node-config``;
-simulation: :func:`simulation_node_config` adds it per partition). Flower's
-``Context.state`` is never used for privacy state: it is in memory and empty at every
-run; the ledger carries every spend (privacy.md §9).
+Flower's deployment engine runs this code from the app bundle that the run's submitter (the
+coordinator side) ships, so it must hold nothing of the client: it reads one node-config key,
+``agent-socket`` (set by the SuperNode's operator: ``--node-config 'agent-socket="..."'``),
+forwards each Message's records over that Unix socket to ``fedfilter agent serve`` and returns
+the agent's reply. The data, the ledger, the policy and the filter live in the service, under
+another OS user. It imports no torch and opens no file of the agent.
+
+An agent that cannot be reached gets an error reply with fixed text (``agent unavailable``):
+nothing reached the agent, so nothing was spent. If the agent answered but the reply was lost,
+the charge stands and a retry with the same request id gets the stored reply (privacy.md §9).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import logging
 from typing import Any
 
-import numpy as np
+import grpc
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
-from client_agent.agent import Agent, Outcome, fault_point, refusal
-from client_agent.agent_cache import AgentCache
-from client_agent.config import AgentConfigError, parse_agent_config
-from client_agent.ledger import LedgerError
+from client_agent import local_wire
 from protocol import messages as wire
 from protocol.records import decode_content, encode_content
 
-# Agents kept open between requests in this process (client_agent/agent_cache.py).
-AGENTS = AgentCache()
+LOG = logging.getLogger("fedfilter.proxy")
+SOCKET_KEY = "agent-socket"
+# A request may take long (per-record gradients over a large silo); Flower's own message TTL applies too.
+TIMEOUT_S = 3600.0
 
 
-def answer_request(
-    node_config: Mapping[str, Any],
-    message_type: str,
-    config: dict[str, Any],
-    arrays: dict[str, np.ndarray],
-    *,
-    cache: AgentCache | None = AGENTS,
-    simulation: bool = False,
-) -> Outcome:
-    """Everything the ClientApp does for one request, without Flower: open, answer, keep or close, then send.
+def forward(
+    socket_path: str, message_type: str, config: dict[str, Any], arrays: dict[str, Any]
+) -> tuple[int, str, dict[str, Any], dict[str, Any]]:
+    """The agent's reply to one request sent over ``socket_path``: (error code, reason, config, arrays)."""
+    frame = local_wire.pack_request(message_type, dict(config), dict(arrays))
+    with grpc.insecure_channel(f"unix:{socket_path}", options=local_wire.CHANNEL_OPTIONS) as channel:
+        reply = channel.unary_unary(local_wire.METHOD)(frame, timeout=TIMEOUT_S)
+    return local_wire.unpack_reply(reply)
 
-    The agent comes from ``cache`` (kept open between requests in this process, see
-    :mod:`client_agent.agent_cache`), or is opened and closed for this request alone when
-    ``cache`` is None. The ``before_send`` fault point sits where the reply is handed to Flower.
-    """
+
+def unavailable(msg: Message, detail: object) -> Message:
+    LOG.warning("agent unavailable for %s: %s", msg.metadata.message_type, detail)
+    return Message(Error(code=wire.ERR_UNAVAILABLE, reason=wire.ERROR_TEXT[wire.ERR_UNAVAILABLE]), reply_to=msg)
+
+
+def proxy_message(msg: Message, context: Context) -> Message:
+    """Forward one Message to the agent service named by the node config's ``agent-socket``."""
+    socket_path = context.node_config.get(SOCKET_KEY)
+    if not isinstance(socket_path, str) or not socket_path:
+        return unavailable(msg, f"node config: expected {SOCKET_KEY!r} naming the agent's socket")
     try:
-        if cache is not None:
-            agent = cache.checkout(node_config, simulation=simulation)
-        else:
-            agent = Agent(parse_agent_config(node_config, simulation=simulation))
-    except (AgentConfigError, LedgerError, ValueError, OSError) as exc:
-        # Fixed text on the wire: a configuration or ledger message names the owner's files and
-        # can carry the data's fingerprint (privacy.md §8); the details go to the client's log.
-        return refusal(wire.ERR_LEDGER, message_type, config, exc)
-    outcome: Outcome | None = None
+        config, arrays = decode_content(msg.content)
+    except wire.ProtocolError:
+        reason = wire.ERROR_TEXT[wire.ERR_MALFORMED]
+        return Message(Error(code=wire.ERR_MALFORMED, reason=reason), reply_to=msg)
     try:
-        outcome = agent.handle(message_type, config, arrays)
-    finally:
-        reusable = outcome is not None and outcome.error_code not in (wire.ERR_LEDGER, wire.ERR_INTERNAL)
-        if cache is not None:
-            cache.checkin(node_config, agent, reusable=reusable, simulation=simulation)
-        else:
-            agent.close()
-    fault_point("before_send")
-    return outcome
+        code, reason, reply_config, reply_arrays = forward(socket_path, msg.metadata.message_type, config, arrays)
+    except (grpc.RpcError, local_wire.FrameError, OSError) as exc:
+        return unavailable(msg, exc)
+    if code != 0:
+        return Message(Error(code=code, reason=reason), reply_to=msg)
+    return Message(encode_content(reply_config, reply_arrays), reply_to=msg)
 
 
-def handle_message(msg: Message, context: Context, *, simulation: bool = False) -> Message:
-    """The ClientApp handler: Flower message in, :func:`answer_request`, Flower message out."""
-    try:
-        req_config, req_arrays = decode_content(msg.content)
-    except wire.ProtocolError as exc:
-        outcome = refusal(wire.ERR_MALFORMED, msg.metadata.message_type, {}, exc)
-        return Message(Error(code=outcome.error_code, reason=outcome.error_reason), reply_to=msg)
-    outcome = answer_request(
-        context.node_config, msg.metadata.message_type, req_config, req_arrays, simulation=simulation
-    )
-    if outcome.is_error:
-        return Message(Error(code=outcome.error_code, reason=outcome.error_reason), reply_to=msg)
-    assert outcome.config is not None and outcome.arrays is not None
-    return Message(encode_content(outcome.config, outcome.arrays), reply_to=msg)
-
-
-def simulation_node_config(per_partition: Mapping[int, Mapping[str, Any]]) -> Callable[..., Message]:
-    """A ClientApp mod that adds each simulated node's agent config, keyed by Flower's partition-id."""
-
-    def mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
-        pid = int(context.node_config["partition-id"])
-        context.node_config.update(dict(per_partition.get(pid, {})))
-        return call_next(msg, context)
-
-    return mod
-
-
-def handle_simulated_message(msg: Message, context: Context) -> Message:
-    """:func:`handle_message` for the simulation engine's ClientApp: seeded noise is admitted."""
-    return handle_message(msg, context, simulation=True)
-
-
-def register_handlers(client: ClientApp, *, simulation: bool = False) -> ClientApp:
-    """Route the protocol's message types to :func:`handle_message` (secagg's steps included).
-
-    ``simulation`` is set in code by the simulation engines only (never from a configuration):
-    the deployed app (:data:`app`) refuses an agent configuration with ``noise-seed``.
-    """
-    handler = handle_simulated_message if simulation else handle_message
-    client.train("gradient")(handler)
-    client.query("indicator")(handler)
-    client.query("monitor")(handler)
-    client.query("status")(handler)
+def register_proxy(client: ClientApp) -> ClientApp:
+    """Route every message type of the protocol (secagg's steps included) to :func:`proxy_message`."""
+    client.train("gradient")(proxy_message)
+    for name in ("indicator", "monitor", "status"):
+        client.query(name)(proxy_message)
     for step in wire.SECAGG_STEPS:  # "query.secagg_keys" -> query("secagg_keys")
-        client.query(step.split(".", 1)[1])(handler)
+        client.query(step.split(".", 1)[1])(proxy_message)
     return client
 
 
-def build_client_app(mods: list[Callable[..., Message]] | None = None, *, simulation: bool = False) -> ClientApp:
-    """A ClientApp with extra mods (simulations pass :func:`simulation_node_config` and ``simulation=True``)."""
-    return register_handlers(ClientApp(mods=mods or []), simulation=simulation)
-
-
 app = ClientApp()
-register_handlers(app)
+register_proxy(app)

@@ -140,6 +140,9 @@ class AgentConfig:
     monitor: MonitorReservation = field(default_factory=MonitorReservation)
     policy: Policy = field(default_factory=Policy)
     noise_seed: int | None = None  # simulations and tests only: reproducible noise
+    # `fedfilter agent serve` only: the Unix socket the ClientApp proxy connects to, and its mode.
+    socket_path: Path | None = None
+    socket_mode: int = 0o660
 
     def __post_init__(self) -> None:
         try:
@@ -153,6 +156,13 @@ class AgentConfig:
             raise AgentConfigError(
                 f"ledger-path: expected an absolute path (or a path relative to the agent TOML file), "
                 f"got {str(self.ledger_path)!r}"
+            )
+        if not 0 <= self.socket_mode <= 0o777:
+            raise AgentConfigError(f"agent-socket-mode: expected permission bits 0000-0777, got {self.socket_mode:o}")
+        if self.socket_path is not None and not self.socket_path.is_absolute():
+            raise AgentConfigError(
+                f"agent-socket: expected an absolute path (or a path relative to the agent TOML file), "
+                f"got {str(self.socket_path)!r}"
             )
         if self.noise_seed is not None and self.noise_seed < 0:
             raise AgentConfigError(f"noise-seed: expected an integer >= 0, got {self.noise_seed}")
@@ -242,6 +252,8 @@ _KEYS = {
     "policy-secagg-min-clients",
     "policy-secagg-min-scale-bits",
     "noise-seed",
+    "agent-socket",
+    "agent-socket-mode",
 }
 # Keys Flower itself puts into a simulated node's config.
 _FLOWER_KEYS = {"partition-id", "num-partitions"}
@@ -294,7 +306,7 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
             raise AgentConfigError(f"agent-config: {path} is not valid TOML: {exc}") from exc
         # A relative path in the file means relative to the file: the SuperNode runs the
         # ClientApp in a folder of its own, where the owner's relative paths would mean nothing.
-        for key in ("data-path", "ledger-path"):
+        for key in ("data-path", "ledger-path", "agent-socket"):
             if isinstance(loaded.get(key), str) and not Path(loaded[key]).is_absolute():
                 loaded[key] = str(path.resolve().parent / loaded[key])
         raw = {**loaded, **raw}
@@ -352,7 +364,18 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         monitor=monitor,
         policy=policy,
         noise_seed=seed,
+        socket_path=Path(_get(raw, "agent-socket", str)) if "agent-socket" in raw else None,
+        socket_mode=_socket_mode(raw),
     )
+
+
+def _socket_mode(raw: Mapping[str, Any]) -> int:
+    """``agent-socket-mode`` as octal permission bits, written as a string ("0660"); default 0660."""
+    text = _get(raw, "agent-socket-mode", str, "0660")
+    try:
+        return int(text, 8)
+    except ValueError as exc:
+        raise AgentConfigError(f"agent-socket-mode: expected octal permission bits such as \"0660\", got {text!r}") from exc
 
 
 def _positive_cfg(raw: Mapping[str, Any], key: str) -> float:

@@ -62,12 +62,14 @@ ERR_POLICY = 4003  # the request breaks the client's policy
 ERR_REPLAY = 4009  # a request id reused with other content
 ERR_LEDGER = 4010  # the ledger is corrupt, missing or mismatched: the client refuses to answer
 ERR_INTERNAL = 4050  # anything else; nothing was charged or sent
+ERR_UNAVAILABLE = 4503  # the deployed proxy could not reach the agent service; nothing reached it
 ERROR_NAMES: dict[int, str] = {
     ERR_MALFORMED: "malformed",
     ERR_POLICY: "policy",
     ERR_REPLAY: "replay",
     ERR_LEDGER: "ledger",
     ERR_INTERNAL: "internal",
+    ERR_UNAVAILABLE: "unavailable",
 }
 # The only text an error reply carries: fixed per code, never an exception's message, which may
 # depend on the client's data, files or ledger (privacy.md §8). Details stay in the client's log.
@@ -80,6 +82,8 @@ ERROR_TEXT: dict[int, str] = {
     ERR_LEDGER: "ledger: the client's ledger or configuration cannot answer (details in the client's log); "
     "nothing was released",
     ERR_INTERNAL: "internal: the client could not answer (details in the client's log); nothing was released",
+    ERR_UNAVAILABLE: "unavailable: agent unavailable (the node's proxy could not reach its agent service); "
+    "nothing was released",
 }
 
 

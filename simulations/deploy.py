@@ -274,12 +274,18 @@ def write_agent_toml(path: Path, values: Mapping[str, object]) -> Path:
 
 
 def write_agent_files(root: Path, parts: Sequence[tuple[np.ndarray, np.ndarray]], **agent: object) -> list[Path]:
-    """Data files, ledgers folder and ``agent{i}.toml`` (absolute paths) for each part, under ``root``."""
+    """Data files, ledgers folder and ``agent{i}.toml`` (absolute paths) for each part, under ``root``.
+
+    Each TOML names its service's socket, ``agent{i}.sock`` beside it (``fedfilter agent serve``).
+    """
     from simulations.federation import write_clients
 
     root = root.resolve()
     per = write_clients(root, parts, ledger_dir=root / "ledgers", **agent)
-    return [write_agent_toml(root / f"agent{pid}.toml", per[pid]) for pid in sorted(per)]
+    return [
+        write_agent_toml(root / f"agent{pid}.toml", per[pid] | {"agent-socket": str(root / f"agent{pid}.sock")})
+        for pid in sorted(per)
+    ]
 
 
 def demo_parts(agents: int, *, records: int = 40, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -319,6 +325,8 @@ def check_agent_file(path: Path) -> dict[str, object]:
         "trust": cfg.trust,
         "policy": cfg.policy.describe(),
     }
+    if cfg.socket_path is not None:
+        out["agent-socket"] = str(cfg.socket_path)
     if cfg.ledger_path.exists():
         from client_agent.agent import Agent
 
@@ -370,8 +378,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     keys.add_argument("--force", action="store_true", help="replace existing files")
     keys.set_defaults(handler=_run_keys)
 
-    agent = sub.add_parser("agent", help="client agent configuration")
+    agent = sub.add_parser("agent", help="client agent: serve it, check its configuration, write demo agents")
     asub = agent.add_subparsers(dest="agent_command", required=True)
+    serve = asub.add_parser(
+        "serve",
+        help="run the data owner's agent service on the Unix socket its TOML names (agent-socket)",
+        description=(
+            "The client agent as the data owner's own long-lived service (privacy.md §10): it loads the "
+            "configuration, the data and the ledger, and answers the node's ClientApp proxy on the Unix socket "
+            "`agent-socket` (mode `agent-socket-mode`, default 0660) until SIGTERM. Run it as its own OS user."
+        ),
+    )
+    serve.add_argument("path", type=Path, help="the agent TOML")
+    serve.set_defaults(handler=_run_agent_serve)
     check = asub.add_parser("check", help="validate an agent TOML (configuration, data, ledger) before starting")
     check.add_argument("path", type=Path)
     check.set_defaults(handler=_run_agent_check)
@@ -412,6 +431,12 @@ def _run_agent_demo(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     print(f"n-public for a run with all of them: {args.agents * args.records}")
     return 0
+
+
+def _run_agent_serve(args: argparse.Namespace) -> int:
+    from client_agent.service import main as serve_main
+
+    return serve_main(args.path)
 
 
 def _run_agent_check(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from client_agent.client_app import build_client_app, simulation_node_config
+from client_agent.direct import build_client_app, simulation_node_config
 from coordinator.analysts import Analyst
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Evaluate

@@ -2,7 +2,7 @@
 
 For tests that repeat a whole federation over many seeds and for quick experiments; the
 same agents run under Flower's simulation engine through ``fedfilter simulate``. Every
-request goes through :func:`client_agent.client_app.answer_request`, exactly the code the
+request goes through :func:`client_agent.direct.answer_request`, exactly the code the
 ClientApp runs (open the ledger, answer, commit, close), so spends, replays and refusals are
 the real ones.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from client_agent.client_app import answer_request
+from client_agent.direct import answer_request
 from coordinator.transport import Payload, RoundReplies
 from protocol import messages as wire
 

@@ -6,8 +6,9 @@ It runs exactly the commands of ``docs/deploy.md``:
 - ``flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile server.key
   --enable-supernode-auth --disable-runtime-dependency-installation --host 127.0.0.1 --port P``
 - ``flwr supernode register agent.pub fedfilter-local`` (one per agent; the node id is fixed by the key)
+- ``fedfilter agent serve /abs/agent.toml`` (the data owner's agent service, on the TOML's ``agent-socket``)
 - ``flower-supernode --superlink 127.0.0.1:P --root-certificates ca.crt --auth-supernode-private-key agent
-  --node-config 'agent-config="/abs/agent.toml"' --host 127.0.0.1 --port Q``
+  --node-config 'agent-socket="/abs/agent.sock"' --host 127.0.0.1 --port Q`` (its ClientApp is a proxy)
 - ``flwr run APP fedfilter-local -c key=value ... --stream``
 
 Every server binds 127.0.0.1 on a free port picked at start. Each process starts in its own
@@ -159,6 +160,7 @@ class Service:
     proc: subprocess.Popen[bytes]
     node_id: int | None = None
     started: list[float] = field(default_factory=list)
+    agent: Service | None = None  # a SuperNode's agent service (fedfilter agent serve), which it proxies to
 
     @property
     def pid(self) -> int:
@@ -397,6 +399,26 @@ class LocalDeployment:
 
     # -- client agents -----------------------------------------------------------------------
 
+    def start_agent_service(self, name: str, agent_toml: Path, *, timeout: float = 90.0) -> Service:
+        """``fedfilter agent serve AGENT.toml`` (privacy.md §10); returns once its socket answers."""
+        described = check_agent_file(agent_toml)
+        socket_path = described.get("agent-socket")
+        if not isinstance(socket_path, str):
+            raise DeploymentError(f"agent {name}: expected agent-socket in {agent_toml}, found none")
+        home = self.root / "agents" / name
+        home.mkdir(parents=True, exist_ok=True)
+        argv = [self._tool("fedfilter"), "agent", "serve", str(agent_toml.resolve())]
+        service = self._spawn(f"{name}-service", argv, home, self.root / "logs" / f"{name}-service.log")
+        deadline = time.monotonic() + timeout
+        while "serving " not in service.log_text():
+            if not service.alive() or time.monotonic() > deadline:
+                raise DeploymentError(
+                    f"agent {name}: expected `fedfilter agent serve` to open {socket_path}, found exit code "
+                    f"{service.proc.poll()}; its log ends:\n{service.tail()}"
+                )
+            time.sleep(0.1)
+        return service
+
     def start_agent(
         self,
         name: str,
@@ -405,15 +427,20 @@ class LocalDeployment:
         *,
         retry_for: float = 120.0,
         timeout: float = 90.0,
+        agent: Service | None = None,
     ) -> Service:
-        """Check ``agent_toml`` as the ClientApp will, then start a SuperNode for it and wait for its node id.
+        """Start the agent service (unless ``agent`` is one still running), then a SuperNode that proxies to it.
 
-        While the SuperLink refuses to activate the node (a crashed predecessor still counts as
-        online), start it again every few seconds for up to ``retry_for`` seconds.
+        The SuperNode's node config holds only ``agent-socket``: the data, the ledger and the
+        policy stay with the agent service. Waits for the SuperNode's node id; while the SuperLink
+        refuses to activate the node (a crashed predecessor still counts as online), starts it
+        again every few seconds for up to ``retry_for`` seconds.
         """
-        check_agent_file(agent_toml)
         if self.certs is None:
             raise DeploymentError("start the SuperLink first")
+        if agent is None or not agent.alive():
+            agent = self.start_agent_service(name, agent_toml)
+        socket_path = check_agent_file(agent_toml)["agent-socket"]
         home = self.root / "agents" / name
         home.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + retry_for
@@ -429,7 +456,7 @@ class LocalDeployment:
                 "--auth-supernode-private-key",
                 str(private_key.resolve()),
                 "--node-config",
-                f'agent-config="{agent_toml.resolve()}"',
+                f'agent-socket="{socket_path}"',
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -445,6 +472,7 @@ class LocalDeployment:
                 text = service.log_text()[seen:]
                 if found := _NODE_ID.search(text):
                     service.node_id = int(found.group(1))
+                    service.agent = agent
                     return service
                 if not service.alive() or time.monotonic() > waited_until:
                     break

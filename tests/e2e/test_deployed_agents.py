@@ -152,7 +152,10 @@ def scenario(federation: Federation) -> Federation:
                 every=0.1,
             )
             crash["before"] = snapshot(ledger0)
-            pids = [fed.agents[0].pid, *descendants(fed.agents[0].pid)]
+            service = fed.agents[0].agent
+            assert service is not None
+            pids = [p for s in (service, fed.agents[0]) for p in (s.pid, *descendants(s.pid))]
+            dep.kill(service)  # the agent service dies mid-round, and its SuperNode with it (a host crash)
             dep.kill(fed.agents[0])
             crash["killed_pids_alive"] = [p for p in pids if pid_alive(p)]
             crash["after_kill"] = snapshot(ledger0)
@@ -175,12 +178,12 @@ def scenario(federation: Federation) -> Federation:
     fed.results["after_run1"] = [snapshot(ledger_path(t)) for t in fed.tomls]
 
     # A new key for agent 1: a new node id, the same ledger.
-    dep.stop(fed.agents[1])
+    dep.stop(fed.agents[1])  # the SuperNode only: the agent service keeps running
     dep.services.remove(fed.agents[1])
     dep.unregister(fed.node_ids[1])
     new_key = make_node_keys(fed.keys[1].with_name("agent1-new")).private
     new_id = dep.register(new_key.with_name(new_key.name + ".pub"))
-    fed.agents[1] = dep.start_agent("agent1", fed.tomls[1], new_key)
+    fed.agents[1] = dep.start_agent("agent1", fed.tomls[1], new_key, agent=fed.agents[1].agent)
     fed.results["agent1_ids"] = (fed.node_ids[1], new_id, fed.agents[1].node_id)
 
     fed.results["run2"] = dep.run(fed.app, run_config("run-2", 2), timeout=600)
@@ -254,7 +257,9 @@ def test_policy_refusal_is_a_clear_error_and_spends_nothing(scenario: Federation
     assert round1["errors"] == {"policy": 1}
     # Counted by code only: a client's error text never reaches rounds.jsonl (issue 12, finding 3).
     assert round1["errors_by_code"] == {"policy": 1}
-    assert "noise_std" not in json.dumps(round1)
+    assert "the policy requires" not in json.dumps(round1)  # the agent's detail stays in its log
+    service_log = scenario.dep.root / "logs" / "agent2-service.log"
+    assert f"noise_std 1.0 asked; the policy requires noise_std >= {POLICY_MIN_NOISE_STD}" in service_log.read_text()
     before, after = scenario.results["after_run2"][2], scenario.results["after_run3"][2]
     assert after.request_ids == before.request_ids
     np.testing.assert_array_equal(after.spent, before.spent)
@@ -266,7 +271,7 @@ def test_unregistered_node_is_refused(federation: Federation, tmp_path: Path) ->
     dep = federation.dep
     rogue = make_node_keys(tmp_path / "rogue").private
     with pytest.raises(DeploymentError, match="Failed to activate SuperNode"):
-        dep.start_agent("rogue", federation.tomls[0], rogue, retry_for=0)
+        dep.start_agent("rogue", federation.tomls[0], rogue, retry_for=0, agent=federation.agents[0].agent)
     agents = {a.node_id for a in federation.agents}
     assert all(status != "online" or node in agents for node, status in dep.nodes().items())
     assert not [s for s in dep.services if s.name == "rogue"]  # its processes were stopped

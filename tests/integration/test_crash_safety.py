@@ -28,7 +28,7 @@ from protocol import messages as wire
 
 CHILD = r"""
 import json, pickle, sys
-from client_agent.client_app import answer_request
+from client_agent.direct import answer_request
 node_config, message_type, config, arrays = pickle.loads(sys.stdin.buffer.read())
 outcome = answer_request(node_config, message_type, config, arrays)
 sys.stdout.buffer.write(pickle.dumps((outcome.error_code, outcome.error_reason, outcome.config, outcome.arrays)))

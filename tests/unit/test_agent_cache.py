@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from client_agent.agent_cache import AgentCache
-from client_agent.client_app import answer_request
+from client_agent.direct import answer_request
 from client_agent.ledger import Ledger
 from protocol import messages as wire
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from client_agent.agent import Agent
-from client_agent.client_app import answer_request
+from client_agent.direct import answer_request
 from client_agent.config import DEFAULT_MIN_NOISE_STD, AgentConfigError, Policy, parse_agent_config
 from client_agent.ledger import LedgerError
 from coordinator.secagg import SecaggSettings, secagg_release

@@ -1,0 +1,83 @@
+"""The local socket's framing between the ClientApp proxy and the agent service (privacy.md §10).
+
+One gRPC method, bytes in and bytes out, over a Unix domain socket. Each frame is an ``.npz``
+archive (numpy, ``allow_pickle=False``: nothing in a frame can name or carry code) holding a
+JSON header under ``__header__`` and the message's named arrays:
+
+- request header: ``{"message_type": str, "config": {scalar fields}}``;
+- reply header: ``{"error_code": int, "error_reason": str, "config": {scalar fields}}``.
+
+This module imports numpy and the standard library only: the proxy in the app bundle imports
+it, and the bundle must stay light (no torch) and hold nothing of the agent.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+SERVICE = "fedfilter.Agent"
+METHOD = f"/{SERVICE}/Handle"
+HEADER = "__header__"
+# The largest frame either side accepts: the wire's largest array (2^28 float32 values) plus headroom.
+MAX_FRAME_BYTES = (1 << 30) + (1 << 20)
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_FRAME_BYTES),
+    ("grpc.max_receive_message_length", MAX_FRAME_BYTES),
+]
+
+
+class FrameError(ValueError):
+    """A frame that does not decode (wrong archive, header or array)."""
+
+
+def _pack(header: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> bytes:
+    if HEADER in arrays:
+        raise FrameError(f"arrays: the name {HEADER!r} is reserved for the frame's header")
+    buf = io.BytesIO()
+    text = json.dumps(header, sort_keys=True, allow_nan=True).encode()
+    np.savez(buf, **{HEADER: np.frombuffer(text, dtype=np.uint8)}, **arrays)
+    return buf.getvalue()
+
+
+def _unpack(frame: bytes) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+    try:
+        with np.load(io.BytesIO(frame), allow_pickle=False) as data:
+            header = json.loads(bytes(data[HEADER]).decode())
+            arrays = {k: data[k] for k in data.files if k != HEADER}
+    except (zipfile.BadZipFile, KeyError, EOFError, OSError, ValueError, UnicodeDecodeError) as exc:
+        raise FrameError(f"frame: expected an .npz archive with a JSON header, found: {exc!r}") from exc
+    if not isinstance(header, dict):
+        raise FrameError(f"frame: expected a JSON object as header, found {type(header).__name__}")
+    return header, arrays
+
+
+def pack_request(message_type: str, config: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> bytes:
+    return _pack({"message_type": message_type, "config": config}, arrays)
+
+
+def unpack_request(frame: bytes) -> tuple[str, dict[str, Any], dict[str, NDArray[Any]]]:
+    header, arrays = _unpack(frame)
+    message_type, config = header.get("message_type"), header.get("config")
+    if not isinstance(message_type, str) or not isinstance(config, dict):
+        raise FrameError("request frame: expected a header with 'message_type' (str) and 'config' (object)")
+    return message_type, config, arrays
+
+
+def pack_reply(
+    error_code: int, error_reason: str, config: dict[str, Any] | None, arrays: dict[str, NDArray[Any]] | None
+) -> bytes:
+    return _pack({"error_code": error_code, "error_reason": error_reason, "config": config or {}}, arrays or {})
+
+
+def unpack_reply(frame: bytes) -> tuple[int, str, dict[str, Any], dict[str, NDArray[Any]]]:
+    header, arrays = _unpack(frame)
+    code, reason, config = header.get("error_code"), header.get("error_reason"), header.get("config")
+    if isinstance(code, bool) or not isinstance(code, int) or not isinstance(reason, str) or not isinstance(config, dict):
+        raise FrameError("reply frame: expected 'error_code' (int), 'error_reason' (str) and 'config' (object)")
+    return code, reason, config, arrays

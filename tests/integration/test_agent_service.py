@@ -1,0 +1,221 @@
+"""``fedfilter agent serve`` and the ClientApp proxy (issue 13; privacy.md §10).
+
+The service runs as a real subprocess on a Unix socket under tmp_path; requests go through the
+deployed ClientApp's own proxy code (:func:`client_agent.client_app.proxy_message`) with real
+Flower Messages, or through :func:`client_agent.client_app.forward`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from client_agent.client_app import forward, proxy_message
+from client_agent.ledger import Ledger
+from protocol import messages as wire
+from protocol.records import decode_content, encode_content
+from simulations.deploy import write_agent_toml
+
+ENV = os.environ | {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
+
+
+def agent_toml(root: Path, name: str = "agent", **over: Any) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(20, 3)).astype(np.float32)
+    np.savez(root / "data.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
+    values: dict[str, Any] = {
+        "ledger-path": str(root / "ledger.sqlite"),
+        "data-path": str(root / "data.npz"),
+        "agent-socket": str(root / f"{name}.sock"),
+        "epsilon": 2.0,
+        "delta": 1e-5,
+        "unit": "record",
+        "trust": "local",
+        "policy-min-noise-std": 1.0,
+    } | over
+    return write_agent_toml(root / f"{name}.toml", values)
+
+
+def start(toml: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "simulations.cli", "agent", "serve", str(toml)],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_socket(proc: subprocess.Popen[str], path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            try:
+                status(path)
+                return
+            except Exception:
+                pass
+        if proc.poll() is not None:
+            raise AssertionError(f"agent service exited early: {proc.stdout.read() if proc.stdout else ''}")
+        time.sleep(0.1)
+    raise AssertionError("agent service did not open its socket in time")
+
+
+def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> tuple[int, str]:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    return proc.returncode, out
+
+
+@pytest.fixture(autouse=True)
+def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flower stamps new Messages with the process's task identity, which a Flower process sets."""
+    for name, value in (("_run_id", 1), ("_node_id", 1), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+    toml = agent_toml(tmp_path)
+    proc = start(toml)
+    try:
+        wait_for_socket(proc, tmp_path / "agent.sock")
+        yield toml, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def status(sock: Path) -> dict[str, Any]:
+    code, reason, config, arrays = forward(str(sock), wire.STATUS, {"request_id": "s", "run_id": "r", "round": 0}, {})
+    assert code == 0, reason
+    return wire.StatusReply.decode(config, arrays).parsed()
+
+
+def gradient(request_id: str, rnd: int = 1, noise_std: float = 2.0) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    return wire.encode_request(
+        wire.GradientRequest(
+            request_id=request_id, run_id="run", round=rnd, noise_std=noise_std, l2_clip=1.0, trust="local",
+            unit="record", model="logreg", model_args=MODEL_ARGS, parameters=np.zeros(8, np.float32),
+        )
+    )
+
+
+def flower_request(message_type: str, config: dict[str, Any], arrays: dict[str, np.ndarray]) -> Message:
+    return Message(encode_content(config, arrays), dst_node_id=1, message_type=message_type)
+
+
+def context(sock: Path | None) -> Context:
+    node_config = {} if sock is None else {"agent-socket": str(sock)}
+    return Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config={})
+
+
+def spent(toml_dir: Path) -> np.ndarray:
+    with Ledger.open_existing(toml_dir / "ledger.sqlite") as ledger:
+        return np.array(ledger.state()["spent"])
+
+
+def test_the_proxy_forwards_flower_messages_and_the_service_charges(
+    served: tuple[Path, subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    toml, proc = served
+    sock = tmp_path / "agent.sock"
+    assert oct(os.stat(sock).st_mode & 0o777) == oct(0o660)  # the TOML's default socket mode
+    described = status(sock)
+    assert described["ledger"]["unit"] == "record" and "data_sha256" not in json.dumps(described)
+    reply = proxy_message(flower_request(wire.GRADIENT, *gradient("g1")), context(sock))
+    assert not reply.has_error()
+    config, arrays = decode_content(reply.content)
+    decoded = wire.ContributionReply.decode(config, arrays)
+    assert decoded.status == wire.REPLY_OK and decoded.total.shape == (8,)
+    # A repeat of the id is the stored reply, byte for byte (privacy.md §9), through the proxy too.
+    again = proxy_message(flower_request(wire.GRADIENT, *gradient("g1")), context(sock))
+    assert decode_content(again.content)[1]["total"].tobytes() == arrays["total"].tobytes()
+    # Outside the policy: the code's fixed text, nothing spent; the detail is in the service's log.
+    refused = proxy_message(flower_request(wire.GRADIENT, *gradient("g2", 2, noise_std=0.5)), context(sock))
+    assert refused.has_error() and refused.error.code == wire.ERR_POLICY
+    assert refused.error.reason == wire.ERROR_TEXT[wire.ERR_POLICY]
+    code, out = stop(proc)
+    assert code == 0, out
+    assert not sock.exists()  # removed on SIGTERM
+    assert "noise_std 0.5 asked; the policy requires noise_std >= 1.0" in out  # logged locally
+    after = spent(tmp_path)
+    assert after.max() > 0 and np.count_nonzero(after) == 20  # g1 charged once, g2 never
+
+
+def test_an_unreachable_agent_is_a_fixed_error_that_spends_nothing(tmp_path: Path) -> None:
+    reply = proxy_message(flower_request(wire.GRADIENT, *gradient("g1")), context(tmp_path / "none.sock"))
+    assert reply.has_error() and reply.error.code == wire.ERR_UNAVAILABLE
+    assert reply.error.reason == wire.ERROR_TEXT[wire.ERR_UNAVAILABLE] and "agent unavailable" in reply.error.reason
+    missing = proxy_message(flower_request(wire.GRADIENT, *gradient("g1")), context(None))
+    assert missing.has_error() and missing.error.reason == wire.ERROR_TEXT[wire.ERR_UNAVAILABLE]
+
+
+def test_a_taken_socket_a_locked_ledger_and_a_bad_toml_stop_the_service_with_a_clear_error(
+    served: tuple[Path, subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    toml, proc = served
+    second = start(toml)  # the same socket, served
+    code, out = stop(second, 0) if second.wait(timeout=60) is not None else (None, "")
+    assert code == 2 and "expected" in out and "found another process serving it" in out
+    other = tmp_path / "other.toml"
+    other.write_text(toml.read_text().replace("agent.sock", "agent2.sock"))
+    third = start(other)  # another socket, the same ledger
+    third.wait(timeout=60)
+    code, out = stop(third, 0)
+    assert code == 2 and "expected no other agent on this ledger, found it locked" in out
+    bad = tmp_path / "bad.toml"
+    bad.write_text(toml.read_text() + "epsilon-typo = 1\n")
+    fourth = start(bad)
+    fourth.wait(timeout=60)
+    code, out = stop(fourth, 0)
+    assert code == 2 and "unknown keys ['epsilon-typo']" in out
+    assert status(tmp_path / "agent.sock")["ledger"]["epsilon"] == 2.0  # the first service is untouched
+
+
+def test_sigkill_mid_run_and_restart_loses_no_spend(served: tuple[Path, subprocess.Popen[str]], tmp_path: Path) -> None:
+    toml, proc = served
+    sock = tmp_path / "agent.sock"
+    first = forward(str(sock), wire.GRADIENT, *gradient("g1"))
+    assert first[0] == 0
+    proc.kill()  # no clean stop: the socket file stays behind
+    proc.wait(timeout=30)
+    before = spent(tmp_path)
+    restarted = start(toml)  # a stale socket is reclaimed; the ledger lock died with the process
+    try:
+        wait_for_socket(restarted, sock)
+        replay = forward(str(sock), wire.GRADIENT, *gradient("g1"))
+        assert replay[3]["total"].tobytes() == first[3]["total"].tobytes()  # stored reply, no new noise
+        np.testing.assert_array_equal(spent(tmp_path), before)  # and no new charge
+        assert forward(str(sock), wire.GRADIENT, *gradient("g2", 2))[0] == 0
+        assert np.all(spent(tmp_path) >= before) and spent(tmp_path).sum() > before.sum()
+    finally:
+        code, out = stop(restarted)
+    assert code == 0, out
+
+
+def test_the_proxy_module_imports_no_torch_and_no_agent_code() -> None:
+    probe = (
+        "import sys, client_agent.client_app as m; "
+        "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'scipy', 'sqlite3') "
+        "or k in ('client_agent.agent', 'client_agent.ledger', 'client_agent.config', 'client_agent.direct')); "
+        "print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], env=ENV, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
