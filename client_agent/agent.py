@@ -27,6 +27,7 @@ import signal
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -342,6 +343,12 @@ class Agent:
             raise PolicyError(
                 f"round {used + 1} of run {request.run_id!r} asked; the policy allows at most "
                 f"{policy.max_rounds_per_run} requests per run"
+            )
+        today = self.ledger.requests_since(datetime.now(UTC) - timedelta(days=1))
+        if today >= policy.max_requests_per_day:
+            raise PolicyError(
+                f"request {today + 1} in the last 24 hours asked; the policy allows at most "
+                f"{policy.max_requests_per_day} per day, whatever the run"
             )
 
     # -- answering ------------------------------------------------------------------------

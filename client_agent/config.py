@@ -46,6 +46,9 @@ class Policy:
     # A rate limit per run id, not a budget: a coordinator may start new run ids. What bounds a
     # unit's total loss is its filter over the ledger, which no run id resets (privacy.md §9).
     max_rounds_per_run: int = 100_000
+    # A rate limit per ledger over the last 24 hours, whatever the run id: a coordinator (or anyone
+    # who reaches the SuperLink's run submission) cannot make this client answer faster than this.
+    max_requests_per_day: int = 1_000_000
     # secagg trust: the fewest clients whose inputs a session may sum (m); each adds sigma^2 / m of the noise.
     min_secagg_clients: int = 2
     # secagg trust: the fewest fixed-point fraction bits; each masked input pays a rounding slack
@@ -70,6 +73,7 @@ class Policy:
         for name, count in (
             ("policy-max-model-params", self.max_model_params),
             ("policy-max-rounds-per-run", self.max_rounds_per_run),
+            ("policy-max-requests-per-day", self.max_requests_per_day),
         ):
             if count < 1:
                 raise AgentConfigError(f"{name}: expected an integer >= 1, got {count!r}")
@@ -83,6 +87,7 @@ class Policy:
             "allowed_trust": list(self.allowed_trust),
             "max_model_params": self.max_model_params,
             "max_rounds_per_run": self.max_rounds_per_run,
+            "max_requests_per_day": self.max_requests_per_day,
             "min_secagg_clients": self.min_secagg_clients,
             "min_secagg_scale_bits": self.min_secagg_scale_bits,
         }
@@ -249,6 +254,7 @@ _KEYS = {
     "policy-allowed-trust",
     "policy-max-model-params",
     "policy-max-rounds-per-run",
+    "policy-max-requests-per-day",
     "policy-secagg-min-clients",
     "policy-secagg-min-scale-bits",
     "noise-seed",
@@ -322,6 +328,7 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         allowed_trust=_names(raw, "policy-allowed-trust", TRUST_MODES),
         max_model_params=_get(raw, "policy-max-model-params", int, 10_000_000),
         max_rounds_per_run=_get(raw, "policy-max-rounds-per-run", int, 100_000),
+        max_requests_per_day=_get(raw, "policy-max-requests-per-day", int, 1_000_000),
         min_secagg_clients=_get(raw, "policy-secagg-min-clients", int, 2),
         min_secagg_scale_bits=_get(raw, "policy-secagg-min-scale-bits", int, 16),
     )

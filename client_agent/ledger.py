@@ -388,6 +388,13 @@ class Ledger:
         """How many requests this ledger has answered in run ``run_id``."""
         return int(self._query_one("SELECT COUNT(*) FROM requests WHERE run_id = ?", (run_id,))[0])
 
+    def requests_since(self, moment: datetime) -> int:
+        """How many requests this ledger has answered at or after ``moment`` (a UTC datetime), over all runs."""
+        if moment.tzinfo is None:
+            raise LedgerError(f"ledger {self._path}: expected a timezone-aware moment, found {moment!r}")
+        since = moment.astimezone(UTC).isoformat(timespec="microseconds")
+        return int(self._query_one("SELECT COUNT(*) FROM requests WHERE created_at >= ?", (since,))[0])
+
     def releases(self) -> Iterator[tuple[str, str, Arrays]]:
         """``(request_id, message_type, release)`` in commit order, for replay and verification."""
         conn = self._connection()

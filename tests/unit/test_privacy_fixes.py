@@ -215,3 +215,18 @@ def test_secagg_scale_bits_below_the_policy_floor_are_refused(tmp_path: Path) ->
     assert result.total is None
     assert all(a.ledger.state()["spent"][0] == 0.0 for a in group.values())
     assert result.replies.errors.total() >= 3
+
+
+def test_requests_per_day_are_limited_per_ledger_whatever_the_run_id(tmp_path: Path) -> None:
+    """policy-max-rounds-per-run counts per run id, so fresh run ids bypass it; this limit does not."""
+    agent = make_agent(tmp_path, **{"policy-max-requests-per-day": 3})
+    for i in range(3):
+        assert not agent.handle(wire.GRADIENT, *gradient(f"r{i}", run_id=f"fresh-run-{i}")).is_error
+    before = ledger_snapshot(agent)
+    refused = agent.handle(wire.GRADIENT, *gradient("r3", run_id="fresh-run-3"))
+    assert refused.error_code == wire.ERR_POLICY
+    assert "request 4 in the last 24 hours asked; the policy allows at most 3 per day" in refused.local_detail
+    assert ledger_snapshot(agent) == before
+    (tmp_path / "x").mkdir()
+    with pytest.raises(AgentConfigError, match="policy-max-requests-per-day: expected an integer >= 1"):
+        make_agent(tmp_path / "x", **{"policy-max-requests-per-day": 0})
