@@ -378,6 +378,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     keys.add_argument("--force", action="store_true", help="replace existing files")
     keys.set_defaults(handler=_run_keys)
 
+    run = sub.add_parser(
+        "run",
+        help="flwr run --stream on a deployment, with the run config checked first and an honest exit code",
+        description=(
+            "Checks every -c key against the app's [tool.flwr.app.config] and the coordinator's configuration, "
+            "runs `flwr run APP CONNECTION -c ... --stream`, then exits 0 only if `flwr ls --run-id` reports "
+            "the run finished:completed (flwr run itself exits 0 when the ServerApp fails)."
+        ),
+    )
+    run.add_argument("app", type=Path, help="the Flower app folder (pyproject.toml)")
+    run.add_argument("connection", help="the SuperLink connection name in $FLWR_HOME/config.toml")
+    run.add_argument("-c", "--run-config", action="append", default=[], help="key=value overrides, as for flwr run")
+    run.set_defaults(handler=_run_deployed)
+
     agent = sub.add_parser("agent", help="client agent: serve it, check its configuration, write demo agents")
     asub = agent.add_subparsers(dest="agent_command", required=True)
     serve = asub.add_parser(
@@ -431,6 +445,12 @@ def _run_agent_demo(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     print(f"n-public for a run with all of them: {args.agents * args.records}")
     return 0
+
+
+def _run_deployed(args: argparse.Namespace) -> int:
+    from simulations.deployed_run import run
+
+    return run(args.app, args.connection, args.run_config)
 
 
 def _run_agent_serve(args: argparse.Namespace) -> int:
