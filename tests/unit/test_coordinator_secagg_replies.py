@@ -36,14 +36,18 @@ def make_agents(tmp_path: Path, n: int) -> dict[int, Agent]:
     return out
 
 
-class ForgedSession:
-    """The agents answer; one node's reply to ``step`` claims another session."""
+class OneNodeMisbehaves:
+    """A transport over real agents in which ``node`` misbehaves at ``step`` (subclasses say how)."""
 
     def __init__(self, agents: Mapping[int, Agent], step: str, node: int) -> None:
         self.agents, self.step, self.node = dict(agents), step, node
 
     def node_ids(self, count: int, *, timeout: float) -> list[int]:
         return sorted(self.agents)[:count]
+
+
+class ForgedSession(OneNodeMisbehaves):
+    """The agents answer; one node's reply to ``step`` claims another session."""
 
     def send(self, message_type: str, payloads: Mapping[int, Payload], *, timeout: float) -> RoundReplies:
         out = RoundReplies()
@@ -98,14 +102,8 @@ def test_a_reply_for_another_session_is_counted_and_left_out(tmp_path: Path, ste
 SECRET = "SECRET-PATH /home/x/data.npz sha256=abc"
 
 
-class Refusing:
+class Refusing(OneNodeMisbehaves):
     """The agents answer; at ``step`` one node answers with a policy error whose reason holds SECRET."""
-
-    def __init__(self, agents: Mapping[int, Agent], step: str, node: int) -> None:
-        self.agents, self.step, self.node = dict(agents), step, node
-
-    def node_ids(self, count: int, *, timeout: float) -> list[int]:
-        return sorted(self.agents)[:count]
 
     def send(self, message_type: str, payloads: Mapping[int, Payload], *, timeout: float) -> RoundReplies:
         out = RoundReplies()
