@@ -5,7 +5,8 @@ What it does, printing every command it runs (the same as docs/deploy.md):
 2. demo data and an agent configuration file per agent (synthetic, 4 features, 2 classes);
 3. ``flower-superlink`` with TLS and ``--enable-supernode-auth`` on 127.0.0.1 and a free port;
 4. ``flwr supernode register`` for every agent's public key;
-5. ``flower-supernode`` per agent, ``--node-config agent-config="<its TOML>"``;
+5. ``fedfilter agent serve <its TOML>`` per agent (the owner's service), and a ``flower-supernode`` per
+   agent with ``--node-config agent-socket="<its socket>"`` (the ClientApp is a proxy to it);
 6. ``flwr run <repo> fedfilter-local -c ... --stream`` (twice with --runs 2: budgets carry over);
 7. each agent's ledger (``fedfilter ledger show``), then every process is stopped.
 
