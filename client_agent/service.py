@@ -136,8 +136,10 @@ class AgentService:
             except Exception as exc:  # the ledger or data cannot be opened: nothing is answered
                 return refusal(wire.ERR_LEDGER, message_type, req_config, exc)
         outcome = self.agent.handle(message_type, req_config, arrays)
-        if outcome.error_code in (wire.ERR_LEDGER, wire.ERR_INTERNAL):
-            self.agent.close()  # the next request reopens it with every check of a first open
+        if outcome.error_code == wire.ERR_LEDGER:
+            # The next request reopens it with every check of a first open. Only a ledger error
+            # does: a request that forces an internal error must not buy a costly reopen each time.
+            self.agent.close()
             self.agent = None
         return outcome
 
@@ -167,7 +169,7 @@ def serve(config: AgentConfig, *, ready: threading.Event | None = None, stop: th
                 )
             ],
             options=local_wire.CHANNEL_OPTIONS,
-            maximum_concurrent_rpcs=64,
+            maximum_concurrent_rpcs=8,  # requests waiting beyond these are refused, not buffered
         )
         old_umask = os.umask(0o777 & ~config.socket_mode)  # the socket is created with its final mode
         try:

@@ -99,6 +99,11 @@ class ProtocolError(ValueError):
 # --- field validation ---------------------------------------------------------------
 
 
+# The largest integer field a request may carry: rounds, columns and bounds are stored as int64 in
+# the ledger, so a larger one would fail after the work was done (an uncharged internal error).
+MAX_WIRE_INT = 2**53
+
+
 def _require(config: Mapping[str, Any], key: str, kind: str) -> Any:
     if key not in config:
         raise ProtocolError(f"{kind}: missing key {key!r}")
@@ -116,12 +121,12 @@ def _str(config: Mapping[str, Any], key: str, kind: str, *, choices: tuple[str, 
     return value
 
 
-def _int(config: Mapping[str, Any], key: str, kind: str, *, minimum: int = 0) -> int:
+def _int(config: Mapping[str, Any], key: str, kind: str, *, minimum: int = 0, maximum: int = MAX_WIRE_INT) -> int:
     value = _require(config, key, kind)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ProtocolError(f"{kind}: {key!r} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ProtocolError(f"{kind}: {key!r} must be >= {minimum}, got {value}")
+    if value < minimum or value > maximum:
+        raise ProtocolError(f"{kind}: {key!r} must be in [{minimum}, {maximum}], got {value}")
     return value
 
 
@@ -440,7 +445,7 @@ def _secagg_input(config: Mapping[str, Any], arrays: Mapping[str, Any], kind: st
     scale_bits = _int(config, "secagg_scale_bits", kind, minimum=0)
     if scale_bits > sa.MAX_SCALE_BITS:
         raise ProtocolError(f"{kind}: 'secagg_scale_bits' must be <= {sa.MAX_SCALE_BITS}, got {scale_bits}")
-    bound = _int(config, "secagg_value_bound", kind, minimum=1)
+    bound = _int(config, "secagg_value_bound", kind, minimum=1, maximum=2**63 - 1)
     if bound > sa.SUM_LIMIT:
         raise ProtocolError(f"{kind}: 'secagg_value_bound' must be <= 2^63 - 1, got {bound}")
     peers = _index_list(arrays, "secagg_peers", kind)

@@ -219,3 +219,48 @@ def test_the_proxy_module_imports_no_torch_and_no_agent_code() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], env=ENV, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_hostile_frames_are_refused_without_inflating_or_allocating(tmp_path: Path) -> None:
+    """The proxy side of the socket is the bundle's code: a frame is checked before it is decoded."""
+    import io
+    import zipfile
+
+    from client_agent import local_wire
+
+    def frame(members: dict[str, bytes], compress: int = zipfile.ZIP_STORED) -> bytes:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", compression=compress) as archive:
+            for name, data in members.items():
+                archive.writestr(name, data)
+        return buf.getvalue()
+
+    def npy(array: np.ndarray) -> bytes:
+        buf = io.BytesIO()
+        np.save(buf, array)
+        return buf.getvalue()
+
+    header = npy(np.frombuffer(json.dumps({"message_type": wire.STATUS, "config": {}}).encode(), np.uint8))
+    bomb = frame({"__header__.npy": header, "x.npy": npy(np.zeros(10**7, np.uint8))}, zipfile.ZIP_DEFLATED)
+    assert len(bomb) < 200_000  # 10 MB that would be inflated
+    huge = npy(np.zeros(4, np.uint8)).replace(b"(4,)", b"(17592186044416,)")  # declares 16 TiB, holds 4 bytes
+    cases = {
+        "compressed": bomb,
+        "declared shape": frame({"__header__.npy": header, "x.npy": huge}),
+        "many members": frame({"__header__.npy": header, **{f"a{i}.npy": npy(np.zeros(1)) for i in range(40)}}),
+        "nested header": frame({"__header__.npy": npy(np.frombuffer(b"[" * 100_000, np.uint8))}),
+        "not a zip": b"garbage",
+    }
+    for name, data in cases.items():
+        with pytest.raises(local_wire.FrameError):
+            local_wire.unpack_request(data)
+    # A good frame round-trips, arrays and all.
+    good = local_wire.pack_request(wire.GRADIENT, {"a": 1.5}, {"p": np.arange(3, dtype=np.float32)})
+    message_type, config, arrays = local_wire.unpack_request(good)
+    assert message_type == wire.GRADIENT and config == {"a": 1.5} and arrays["p"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_the_proxy_answers_a_request_it_cannot_frame_as_malformed(tmp_path: Path) -> None:
+    msg = flower_request(wire.GRADIENT, {"request_id": "x", "blob": b"\x00"}, {})
+    reply = proxy_message(msg, context(tmp_path / "none.sock"))
+    assert reply.has_error() and reply.error.code == wire.ERR_MALFORMED
