@@ -17,6 +17,11 @@ session; stopping it signals its process group and every process it started (fou
 installs the app bundle), as separate machines would; the ``flwr`` CLI gets one whose
 ``config.toml`` names only this SuperLink, so the user's ``~/.flwr`` is never read or written.
 
+SuperNodes as another OS user: a :class:`NodeLauncher` gives the command prefix (``setpriv
+--reuid=nobody --regid=nogroup --clear-groups``), the folder of the Flower commands that user can
+run and the environment they start with; each SuperNode's home (``root/agents/NAME``) and key
+must then be that user's (create them before :meth:`LocalDeployment.start_agent`).
+
 Restarts: a SuperNode killed without a goodbye stays "online" on the SuperLink until two
 heartbeats are missed (flwr 1.41: 2 x 30 s), and the SuperLink refuses to activate the same
 node id again before that (the SuperNode exits with code 305). :meth:`LocalDeployment.start_agent`
@@ -55,6 +60,21 @@ _NODE_ID = re.compile(r"SuperNode ID: (\d+)")
 
 class DeploymentError(RuntimeError):
     """A process of the local deployment did not start, refused, or a run ended without its summary."""
+
+
+@dataclass(frozen=True)
+class NodeLauncher:
+    """How :meth:`LocalDeployment.start_agent` starts SuperNodes (default: like every other process).
+
+    ``prefix`` goes before the command (e.g. ``setpriv --reuid=nobody --regid=nogroup --clear-groups``);
+    ``bin_dir`` holds ``flower-supernode``, ``flower-superexec`` and ``flwr-clientapp`` and goes first
+    on PATH (default: the deployment's ``bin_dir``); ``env``, when given, replaces the inherited
+    environment (Flower's variables, ``FLWR_HOME`` and ``PATH`` are set on top of it).
+    """
+
+    prefix: tuple[str, ...] = ()
+    bin_dir: Path | None = None
+    env: Mapping[str, str] | None = None
 
 
 def free_port() -> int:
@@ -182,10 +202,18 @@ class Service:
 class LocalDeployment:
     """A coordinator service and client agents under ``root``; a context manager that stops them all."""
 
-    def __init__(self, root: Path, *, bin_dir: Path | None = None, echo: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        bin_dir: Path | None = None,
+        echo: Callable[[str], None] | None = None,
+        node_launcher: NodeLauncher | None = None,
+    ) -> None:
         self.root = root.resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.bin_dir = (bin_dir or Path(sys.executable).parent).resolve()
+        self.node_launcher = node_launcher or NodeLauncher()
         self.echo = echo or (lambda _line: None)
         self.services: list[Service] = []
         self.certs: Certificates | None = None
@@ -196,20 +224,27 @@ class LocalDeployment:
 
     # -- processes ---------------------------------------------------------------------------
 
-    def env(self, flwr_home: Path) -> dict[str, str]:
-        env = dict(os.environ)
+    def env(
+        self, flwr_home: Path, *, base: Mapping[str, str] | None = None, bin_dir: Path | None = None
+    ) -> dict[str, str]:
+        """The environment of a process run with ``FLWR_HOME=flwr_home``: ``base`` (default: ours) and Flower's."""
+        env = dict(os.environ if base is None else base)
         env.update(FLOWER_ENV)
         env["FLWR_HOME"] = str(flwr_home)
-        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"  # flower-superexec, flwr-clientapp
+        bin_dir = bin_dir or self.bin_dir
+        env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"  # flower-superexec, flwr-clientapp
         return env
 
-    def _tool(self, name: str) -> str:
-        path = self.bin_dir / name
+    def _tool(self, name: str, bin_dir: Path | None = None) -> str:
+        bin_dir = bin_dir or self.bin_dir
+        path = bin_dir / name
         if not path.exists():
-            raise DeploymentError(f"{name}: expected it in {self.bin_dir} (the environment with flwr 1.41), found none")
+            raise DeploymentError(f"{name}: expected it in {bin_dir} (the environment with flwr 1.41), found none")
         return str(path)
 
-    def _spawn(self, name: str, argv: list[str], flwr_home: Path, log: Path) -> Service:
+    def _spawn(
+        self, name: str, argv: list[str], flwr_home: Path, log: Path, *, env: Mapping[str, str] | None = None
+    ) -> Service:
         self.echo("$ " + shlex.join(argv))
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
@@ -218,7 +253,7 @@ class LocalDeployment:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env(flwr_home),
+                env=dict(env) if env is not None else self.env(flwr_home),
                 cwd=flwr_home,
                 start_new_session=True,
             )
@@ -408,9 +443,11 @@ class LocalDeployment:
         home = self.root / "agents" / name
         home.mkdir(parents=True, exist_ok=True)
         argv = [self._tool("fedfilter"), "agent", "serve", str(agent_toml.resolve())]
-        service = self._spawn(f"{name}-service", argv, home, self.root / "logs" / f"{name}-service.log")
+        log = self.root / "logs" / f"{name}-service.log"
+        seen = len(log.read_text(errors="replace")) if log.exists() else 0  # a restart appends to the log
+        service = self._spawn(f"{name}-service", argv, home, log)
         deadline = time.monotonic() + timeout
-        while "serving " not in service.log_text():
+        while "serving " not in service.log_text()[seen:]:
             if not service.alive() or time.monotonic() > deadline:
                 raise DeploymentError(
                     f"agent {name}: expected `fedfilter agent serve` to open {socket_path}, found exit code "
@@ -448,7 +485,8 @@ class LocalDeployment:
         while True:
             attempt += 1
             argv = [
-                self._tool("flower-supernode"),
+                *self.node_launcher.prefix,
+                self._tool("flower-supernode", self.node_launcher.bin_dir),
                 "--superlink",
                 self.address,
                 "--root-certificates",
@@ -466,7 +504,8 @@ class LocalDeployment:
             ]
             log = self.root / "logs" / f"{name}.log"
             seen = len(log.read_text(errors="replace")) if log.exists() else 0
-            service = self._spawn(name, argv, home, log)
+            env = self.env(home, base=self.node_launcher.env, bin_dir=self.node_launcher.bin_dir)
+            service = self._spawn(name, argv, home, log, env=env)
             waited_until = time.monotonic() + timeout
             while True:
                 text = service.log_text()[seen:]

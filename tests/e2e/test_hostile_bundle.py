@@ -1,0 +1,580 @@
+"""Privilege separation on a deployed client (issue 13, privacy.md §10): a hostile app bundle gets nothing.
+
+Two client agents on loopback, as separate OS users would run them:
+
+- each agent service (``fedfilter agent serve``) runs as root, the data owner: its TOML, data and
+  ledger lie in a root-owned folder of mode 0700, the files 0600;
+- each SuperNode runs as ``nobody:nogroup`` (``setpriv --reuid=nobody --regid=nogroup
+  --clear-groups``), from a virtual environment that user can execute, with TLS to the SuperLink and
+  node authentication; it reaches its agent only through the agent's Unix socket, in a folder
+  ``root:nogroup`` of mode 2750 (setgid: the socket the service creates, mode 0660, is group
+  nogroup, also after a restart).
+
+In order:
+1. an honest run (two gradient rounds); agent 0's service is killed with SIGKILL while its request
+   for round 2 is in flight and started again. The run finishes; no spend is lost or decreased.
+2. a hostile run: the bundle's ``client_agent/client_app.py`` is replaced by a ClientApp that, on
+   every message, tries to read each agent's TOML, data file and ledger (their absolute paths are
+   written into its code) and records what it got in a world-writable folder; then forwards the
+   request like the real proxy, and adds its own: one below the agent's ``policy-min-noise-std``,
+   one carrying a budget key, and one within the policy under a new request id. Every read fails
+   with PermissionError; the first two are refused and charge nothing; the ledger gains only the
+   admitted requests, each charged (norm / noise_std)^2 per unit by the filter.
+
+Every process is started in its own session and stopped by PID, also when a test fails. Runs only
+as root with ``setpriv`` and a python3.11 that ``nobody`` can execute; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import grp
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import tomllib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client_agent.ledger import Ledger
+from client_agent.ledger_report import verify_ledger
+from protocol import messages as wire
+from simulations.deploy import make_node_keys, write_agent_files, write_agent_toml
+from simulations.local_deployment import (
+    DeploymentError,
+    LocalDeployment,
+    NodeLauncher,
+    descendants,
+    pid_alive,
+    stage_app,
+    wait_for,
+)
+
+pytestmark = pytest.mark.flower
+
+NODE_USER, NODE_GROUP = "nobody", "nogroup"
+SETPRIV = ("setpriv", f"--reuid={NODE_USER}", f"--regid={NODE_GROUP}", "--clear-groups")
+NODE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8"}  # what the SuperNodes start with
+NODE_TOOLS = ("flower-supernode", "flower-superexec", "flwr-clientapp")
+N_AGENTS = 2
+RECORDS = 20
+NOISE_STD = 3.0
+POLICY_MIN_NOISE_STD = 2.0  # every agent
+HOSTILE_NOISE_STD = 0.5  # below the policy: refused
+EPSILON = 8.0  # room for every request below: no unit runs out, so each admitted one charges every unit
+MODEL_ARGS = json.dumps({"in_features": 4, "n_classes": 2})
+
+
+# --- what the test needs from the host ---------------------------------------------------------
+
+
+def as_node_user(*argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` as nobody:nogroup with no supplementary groups and a minimal environment."""
+    return subprocess.run(
+        [*SETPRIV, *argv], env=NODE_ENV, cwd="/", capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@functools.cache
+def node_python() -> str | None:
+    """A python of this interpreter's version that nobody can execute (a pyenv shim under /root is not)."""
+    wanted = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    candidates = [shutil.which(f"python{wanted}", path=d) for d in os.environ.get("PATH", "").split(os.pathsep)]
+    candidates += [shutil.which(f"python{wanted}", path=d) for d in ("/usr/local/bin", "/usr/bin")]
+    for found in dict.fromkeys(c for c in candidates if c):
+        real = os.path.realpath(found)
+        probe = as_node_user(real, "-c", "import sys; print('%d.%d' % sys.version_info[:2])")
+        if probe.returncode == 0 and probe.stdout.strip() == wanted:
+            return real
+    return None
+
+
+def skip_reason() -> str | None:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "needs root: the agent services run as root, the SuperNodes as nobody (setpriv)"
+    if shutil.which("setpriv") is None:
+        return "needs setpriv (util-linux) to run the SuperNodes as nobody"
+    try:
+        pwd.getpwnam(NODE_USER)
+        grp.getgrnam(NODE_GROUP)
+    except KeyError:
+        return f"needs the user {NODE_USER} and the group {NODE_GROUP}"
+    if node_python() is None:
+        return f"needs a python{sys.version_info[0]}.{sys.version_info[1]} that {NODE_USER} can execute"
+    return None
+
+
+def make_node_venv(dest: Path, python: str) -> Path:
+    """A venv nobody can run, seeing this interpreter's site-packages, with Flower's node commands; its bin dir."""
+    subprocess.run([python, "-m", "venv", "--without-pip", str(dest)], check=True, capture_output=True)
+    out = subprocess.run(
+        [str(dest / "bin" / "python3"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    paths = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    lines = "".join(f"import site; site.addsitedir({p!r})\n" for p in paths)
+    Path(out.stdout.strip(), "_fedfilter_main_venv.pth").write_text(lines)
+    source = Path(sys.executable).parent
+    for tool in NODE_TOOLS:
+        text = (source / tool).read_text().split("\n", 1)[1]
+        (dest / "bin" / tool).write_text(f"#!{dest / 'bin' / 'python3'}\n{text}")
+        (dest / "bin" / tool).chmod(0o755)
+    probe = as_node_user(str(dest / "bin" / "python3"), "-c", "import flwr.supernode, numpy, grpc")
+    if probe.returncode != 0:
+        pytest.skip(
+            f"{NODE_USER} cannot import Flower from {list(paths)} (every folder on the way must be o+rx): "
+            f"{probe.stderr.strip().splitlines()[-1:]}"
+        )
+    return dest / "bin"
+
+
+# --- the hostile ClientApp ---------------------------------------------------------------------
+
+HOSTILE_CLIENT_APP = '''"""A hostile bundle's ClientApp: steals what it can, then asks the agent for more."""
+
+import base64
+import json
+import os
+
+import grpc
+from flwr.app import Context, Error, Message
+from flwr.clientapp import ClientApp
+
+from client_agent import local_wire
+from protocol.records import decode_content, encode_content
+
+TARGETS = {targets!r}
+EXFIL = {exfil!r}
+LOW_NOISE = {low_noise!r}
+
+
+def steal(path):
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except BaseException as exc:
+        return {{"error": type(exc).__name__}}
+    return {{"bytes": len(data), "content": base64.b64encode(data).decode()}}
+
+
+def ask(sock, message_type, config, arrays):
+    frame = local_wire.pack_request(message_type, dict(config), dict(arrays))
+    with grpc.insecure_channel("unix:" + sock, options=local_wire.CHANNEL_OPTIONS) as channel:
+        reply = channel.unary_unary(local_wire.METHOD)(frame, timeout=120)
+    return local_wire.unpack_reply(reply)
+
+
+def handle(msg, context):
+    sock = context.node_config["agent-socket"]
+    message_type = msg.metadata.message_type
+    record = {{"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(), "socket": sock,
+              "message_type": message_type, "asked": []}}
+    record["reads"] = {{name: steal(path) for target in TARGETS.values() for name, path in target.items()}}
+    try:
+        record["listing"] = sorted(os.listdir(os.path.dirname(next(iter(TARGETS[sock].values())))))
+    except BaseException as exc:
+        record["listing"] = type(exc).__name__
+    try:
+        config, arrays = decode_content(msg.content)
+        code, reason, reply_config, reply_arrays = ask(sock, message_type, config, arrays)
+        record["asked"].append({{"what": "forwarded", "request_id": config.get("request_id"), "code": code}})
+        if message_type == "train.gradient":
+            rid = config["request_id"]
+            hostile = [
+                ("below-policy", dict(config, request_id=rid + "-hostile-low-noise", noise_std=LOW_NOISE)),
+                ("budget-key", dict(config, request_id=rid + "-hostile-budget", epsilon=1e9)),
+                ("within-policy", dict(config, request_id=rid + "-hostile-extra")),
+            ]
+            for what, cfg in hostile:
+                c = ask(sock, message_type, cfg, arrays)[0]
+                record["asked"].append({{"what": what, "request_id": cfg["request_id"], "code": c,
+                                         "noise_std": cfg["noise_std"]}})
+    except BaseException as exc:
+        record["failed"] = type(exc).__name__ + ": " + str(exc)
+        raise
+    finally:
+        line = (json.dumps(record) + "\\n").encode()
+        name = os.path.join(EXFIL, os.path.basename(sock) + ".jsonl")
+        fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    if code != 0:
+        return Message(Error(code=code, reason=reason), reply_to=msg)
+    return Message(encode_content(reply_config, reply_arrays), reply_to=msg)
+
+
+app = ClientApp()
+app.train("gradient")(handle)
+for name in ("indicator", "monitor", "status", "secagg_keys", "secagg_shares", "secagg_unmask"):
+    app.query(name)(handle)
+'''
+
+
+def stage_hostile_app(dest: Path, targets: dict[str, dict[str, str]], exfil: Path) -> Path:
+    """The app bundle with its ClientApp replaced by :data:`HOSTILE_CLIENT_APP`."""
+    app = stage_app(dest)
+    code = HOSTILE_CLIENT_APP.format(targets=targets, exfil=str(exfil), low_noise=HOSTILE_NOISE_STD)
+    compile(code, "client_app.py", "exec")
+    (app / "client_agent" / "client_app.py").write_text(code)
+    return app
+
+
+def read_exfil(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for p in sorted(folder.glob("*.jsonl")) for line in p.read_text().splitlines() if line]
+
+
+# --- the deployment ----------------------------------------------------------------------------
+
+
+def run_config(run_id: str, rounds: int) -> dict[str, Any]:
+    return {
+        "task": "gradient",
+        "num-nodes": N_AGENTS,
+        "n-public": N_AGENTS * RECORDS,
+        "rounds": rounds,
+        "noise-std": NOISE_STD,
+        "l2-clip": 1.0,
+        "learning-rate": 0.5,
+        "trust": "local",
+        "unit": "record",
+        "model": "logreg",
+        "model-args": MODEL_ARGS,
+        "run-id": run_id,
+        "round-timeout": 60.0,
+        "enrol-timeout": 60.0,
+    }
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    request_ids: frozenset[str]
+    spent: np.ndarray
+    stopped: np.ndarray
+
+
+def snapshot(path: Path) -> Snapshot:
+    with Ledger.open_existing(path) as ledger:
+        state = ledger.state()
+        ids = frozenset(request_id for request_id, _, _ in ledger.releases())
+    return Snapshot(ids, state["spent"].copy(), state["stopped"].copy())
+
+
+def charges(path: Path, request_ids: set[str]) -> tuple[np.ndarray, list[float]]:
+    """What the filter charges for these stored releases, (norm / noise_std)^2 per admitted unit; their noise."""
+    total: np.ndarray | None = None
+    sigmas = []
+    with Ledger.open_existing(path) as ledger:
+        for request_id, _, rel in ledger.releases():
+            if request_id not in request_ids:
+                continue
+            sigma = float(rel["noise_std"][0])
+            cost = np.where(rel["refused"], 0.0, (rel["l2_norms"] / sigma) ** 2)
+            total = cost if total is None else total + cost
+            sigmas.append(sigma)
+        n_units = ledger.config.n_units
+    return (np.zeros(n_units) if total is None else total), sigmas
+
+
+def make_parts() -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(13)
+    parts = []
+    for _ in range(N_AGENTS):
+        x = rng.normal(size=(RECORDS, 4)).astype(np.float32)
+        parts.append((x, (x[:, 0] > 0).astype(np.int64)))
+    return parts
+
+
+@dataclass
+class Agent:
+    toml: Path
+    data: Path
+    ledger: Path
+    socket: Path
+
+
+@dataclass
+class World:
+    root: Path
+    dep: LocalDeployment
+    agents: list[Agent]
+    keys: list[Path]
+    services: list[Any]
+    supernodes: list[Any]
+    exfil: Path
+    results: dict[str, Any] = field(default_factory=dict)
+
+
+def build_world(root: Path) -> World:
+    """The owner's files, the sockets' folder, the node venv and the deployment (nothing started yet)."""
+    nogroup = grp.getgrnam(NODE_GROUP).gr_gid
+    owner_dir, sockets, exfil = root / "owner", root / "sockets", root / "exfil"
+    tomls = write_agent_files(owner_dir, make_parts(), epsilon=EPSILON, delta=1e-5, unit="record", trust="local")
+    sockets.mkdir()
+    os.chown(sockets, 0, nogroup)
+    sockets.chmod(0o2750)  # setgid: every socket made here is group nogroup, also after a restart
+    exfil.mkdir()
+    exfil.chmod(0o1777)
+    agents = []
+    for i, toml in enumerate(tomls):
+        values = tomllib.loads(toml.read_text())
+        values["agent-socket"] = str(sockets / f"agent{i}.sock")
+        values["agent-socket-mode"] = "0660"
+        values["policy-min-noise-std"] = POLICY_MIN_NOISE_STD
+        write_agent_toml(toml, values)
+        agents.append(Agent(toml, Path(values["data-path"]), Path(values["ledger-path"]), Path(values["agent-socket"])))
+    for path in [owner_dir, *owner_dir.rglob("*")]:
+        path.chmod(0o700 if path.is_dir() else 0o600)
+
+    python = node_python()
+    assert python is not None
+    launcher = NodeLauncher(prefix=SETPRIV, bin_dir=make_node_venv(root / "nodevenv", python), env=NODE_ENV)
+    dep = LocalDeployment(root / "deploy", node_launcher=launcher)
+    return World(root, dep, agents, [], [], [], exfil)
+
+
+def start_world(world: World) -> None:
+    """The SuperLink, then per agent: its key registered, its service (as root) and its SuperNode (as nobody)."""
+    dep, agents = world.dep, world.agents
+    nobody, nogroup = pwd.getpwnam(NODE_USER).pw_uid, grp.getgrnam(NODE_GROUP).gr_gid
+    dep.start_superlink()
+    for i in range(N_AGENTS):
+        key = make_node_keys(world.root / "keys" / f"agent{i}").private
+        home = dep.root / "agents" / f"agent{i}"  # the SuperNode's FLWR_HOME and working folder
+        home.mkdir(parents=True)
+        node_key = home / "node.key"
+        shutil.copyfile(key, node_key)
+        os.chown(home, nobody, nogroup)
+        os.chown(node_key, nobody, nogroup)
+        home.chmod(0o700)
+        node_key.chmod(0o600)
+        dep.register(key.with_name(key.name + ".pub"))
+        world.keys.append(node_key)
+    with ThreadPoolExecutor(N_AGENTS) as pool:  # each: the agent service (as root), then its SuperNode
+        world.supernodes = list(
+            pool.map(lambda i: dep.start_agent(f"agent{i}", agents[i].toml, world.keys[i]), range(N_AGENTS))
+        )
+    world.services = [node.agent for node in world.supernodes]
+
+
+def hostile_targets(world: World) -> dict[str, dict[str, str]]:
+    return {
+        str(a.socket): {
+            f"agent{i}-toml": str(a.toml),
+            f"agent{i}-data": str(a.data),
+            f"agent{i}-ledger": str(a.ledger),
+        }
+        for i, a in enumerate(world.agents)
+    }
+
+
+def run_hostile(world: World, run_id: str) -> dict[str, Any] | DeploymentError:
+    """``flwr run`` of the hostile bundle; its summary, or the error if the run left none."""
+    app = stage_hostile_app(world.root / f"app-{run_id}", hostile_targets(world), world.exfil)
+    try:
+        return world.dep.run(app, run_config(run_id, 1), timeout=300)
+    except DeploymentError as exc:
+        return exc
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[World]:
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    root = Path(tempfile.mkdtemp(prefix="fedfilter-hostile-"))
+    root.chmod(0o755)  # nobody reaches its own folders below; the owner's folder stays 0700
+    dep = None
+    try:
+        w = build_world(root)
+        dep = w.dep
+        start_world(w)
+        yield w
+    finally:
+        try:
+            if dep is not None:
+                dep.stop_all()
+                assert dep.survivors() == []  # every process started, and every process they started, is gone
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def scenario(world: World) -> World:
+    """The honest run with the kill and the restart, then the hostile run; the tests read what happened."""
+    dep, agent0 = world.dep, world.agents[0]
+    log0 = world.supernodes[0].log
+    crash: dict[str, Any] = {}
+    run_over = threading.Event()
+
+    def kill_and_restart() -> None:
+        def asked_for_round_2() -> bool:
+            # SuperNode 0 has started the ClientApp for its third request (status, round 1, round 2).
+            return bool(log0.read_text(errors="replace").count("Start `flwr-clientapp` process") >= 3)
+
+        try:
+            wait_for(lambda: run_over.is_set() or asked_for_round_2(), timeout=240, what="round 2", every=0.05)
+            if not asked_for_round_2():
+                raise AssertionError("the honest run ended before agent 0 was asked for round 2")
+            crash["before"] = snapshot(agent0.ledger)
+            service = world.services[0]
+            pids = [service.pid, *descendants(service.pid)]
+            dep.kill(service)
+            crash["killed_pids_alive"] = [p for p in pids if pid_alive(p)]
+            crash["after_kill"] = snapshot(agent0.ledger)
+            world.services[0] = dep.start_agent_service("agent0", agent0.toml)
+            world.supernodes[0].agent = world.services[0]
+        except BaseException as exc:
+            crash["error"] = exc
+
+    started = time.monotonic()
+    killer = threading.Thread(target=kill_and_restart, daemon=True)
+    killer.start()
+    try:
+        world.results["honest"] = dep.run(stage_app(world.root / "app"), run_config("honest", 2), timeout=300)
+    finally:
+        run_over.set()
+        killer.join(timeout=120)
+    if "error" in crash:
+        raise crash["error"]
+    assert not killer.is_alive(), "agent 0's service was not back within 120 s of the end of the honest run"
+    world.results["crash"] = crash
+    world.results["after_honest"] = [snapshot(a.ledger) for a in world.agents]
+    world.results["socket_modes"] = [os.stat(a.socket) for a in world.agents]
+
+    world.results["hostile"] = run_hostile(world, "hostile")
+    world.results["after_hostile"] = [snapshot(a.ledger) for a in world.agents]
+    world.results["exfil"] = read_exfil(world.exfil)
+    world.results["wall_s"] = time.monotonic() - started
+    return world
+
+
+# --- the tests ---------------------------------------------------------------------------------
+
+
+def test_owner_files_are_the_owners_and_nodes_run_as_nobody(scenario: World) -> None:
+    nobody = pwd.getpwnam(NODE_USER).pw_uid
+    nogroup = grp.getgrnam(NODE_GROUP).gr_gid
+    owner_dir = scenario.agents[0].toml.parent
+    st = owner_dir.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o700)
+    for agent in scenario.agents:
+        for path in (agent.toml, agent.data, agent.ledger):
+            st = path.stat()
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600), path
+    st = scenario.agents[0].socket.parent.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, nogroup, 0o2750)
+    for st in scenario.results["socket_modes"]:  # agent 0's socket is the restarted service's
+        assert stat.S_ISSOCK(st.st_mode) and (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, nogroup, 0o660)
+    for node in scenario.supernodes:  # the SuperNode (setpriv execs it) and everything it started
+        for pid in (node.pid, *descendants(node.pid)):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except FileNotFoundError:  # a ClientApp that just finished
+                continue
+            uids = next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1:]
+            assert set(uids) == {str(nobody)}, (pid, status[:200])
+    for service in scenario.services:
+        assert Path(f"/proc/{service.pid}/status").read_text().count("Uid:\t0\t0\t0\t0") == 1
+
+
+def test_honest_run_finishes_with_tls_and_node_auth(scenario: World) -> None:
+    honest = scenario.results["honest"]
+    assert honest["rounds_completed"] == 2
+    assert honest["stopped_because"] == "max_rounds"
+    assert honest["privacy"]["clients_enrolled"] == N_AGENTS
+    assert honest["units_enrolled"] == N_AGENTS * RECORDS
+    assert honest["rounds"][0]["replies"] == N_AGENTS  # agent 0 was killed during round 2 only
+    assert honest["rounds"][1]["replies"] >= N_AGENTS - 1
+    after = scenario.results["after_honest"]
+    assert {"honest:gradient:r1", "honest:gradient:r2"} <= after[1].request_ids
+    assert "honest:gradient:r1" in after[0].request_ids
+    for i, agent in enumerate(scenario.agents):
+        assert after[i].spent.min() > 0  # every unit charged
+        assert verify_ledger(agent.ledger) == []
+
+
+def test_killed_agent_service_keeps_every_spend(scenario: World) -> None:
+    crash = scenario.results["crash"]
+    assert crash["killed_pids_alive"] == []
+    before, after_kill = crash["before"], crash["after_kill"]
+    assert "honest:gradient:r1" in before.request_ids
+    for later in (after_kill, scenario.results["after_honest"][0], scenario.results["after_hostile"][0]):
+        assert before.request_ids <= later.request_ids  # nothing committed before the kill was lost
+        assert np.all(later.spent >= before.spent)  # no unit's spend went down
+        assert np.all(later.stopped[before.stopped])
+
+
+def test_hostile_bundle_reads_nothing_of_the_owner(scenario: World) -> None:
+    records = scenario.results["exfil"]
+    nobody = pwd.getpwnam(NODE_USER).pw_uid
+    sockets = {str(a.socket) for a in scenario.agents}
+    assert {r["socket"] for r in records} == sockets  # the hostile code ran on every node
+    assert {r["message_type"] for r in records} >= {"query.status", "train.gradient"}
+    for record in records:
+        assert (record["uid"], record["groups"]) == (nobody, [])
+        assert record["listing"] == "PermissionError"
+        assert len(record["reads"]) == 3 * N_AGENTS
+        for name, got in record["reads"].items():
+            assert got == {"error": "PermissionError"}, (name, {k: v for k, v in got.items() if k != "content"})
+        assert "failed" not in record
+
+
+def test_hostile_requests_are_refused_or_charged_by_policy(scenario: World) -> None:
+    records = scenario.results["exfil"]
+    asked = [(r["socket"], a) for r in records for a in r["asked"]]
+    by_what: dict[str, list[int]] = {}
+    for _, a in asked:
+        by_what.setdefault(a["what"], []).append(a["code"])
+    gradients = [r for r in records if r["message_type"] == "train.gradient"]
+    assert len(gradients) == N_AGENTS
+    assert by_what["below-policy"] == [wire.ERR_POLICY] * N_AGENTS
+    assert by_what["budget-key"] == [wire.ERR_MALFORMED] * N_AGENTS
+    assert by_what["within-policy"] == [0] * N_AGENTS
+    assert set(by_what["forwarded"]) == {0}
+    for i, agent in enumerate(scenario.agents):
+        before, after = scenario.results["after_honest"][i], scenario.results["after_hostile"][i]
+        admitted = {a["request_id"] for s, a in asked if s == str(agent.socket) and a["code"] == 0}
+        new = set(after.request_ids - before.request_ids)
+        assert new == {"hostile:gradient:r1", "hostile:gradient:r1-hostile-extra"}
+        assert new <= admitted
+        assert not any("low-noise" in rid or "budget" in rid for rid in after.request_ids)
+        cost, sigmas = charges(agent.ledger, new)
+        assert sigmas == [NOISE_STD, NOISE_STD]  # nothing below the policy was ever released
+        np.testing.assert_allclose(after.spent - before.spent, cost, rtol=1e-12, atol=0)
+        extra, _ = charges(agent.ledger, {"hostile:gradient:r1-hostile-extra"})
+        assert extra.min() > 0  # the hostile bundle's own request paid like any request, every unit
+        assert not after.stopped.any()
+        assert verify_ledger(agent.ledger) == []
+        with Ledger.open_existing(agent.ledger) as ledger:
+            assert ledger.requests_in_run("hostile") == 2
+
+
+def test_honest_spend_is_intact(scenario: World) -> None:
+    for i, agent in enumerate(scenario.agents):
+        before, after = scenario.results["after_honest"][i], scenario.results["after_hostile"][i]
+        assert before.request_ids <= after.request_ids
+        assert np.all(after.spent >= before.spent)
+        assert np.all(after.stopped[before.stopped])
+        honest, _ = charges(agent.ledger, set(before.request_ids))  # read after the hostile run
+        np.testing.assert_allclose(honest, before.spent, rtol=1e-12, atol=0)
+    hostile = scenario.results["hostile"]
+    if isinstance(hostile, dict):  # the hostile ClientApp forwards the coordinator's requests: its run may finish
+        assert hostile["rounds_completed"] == 1
