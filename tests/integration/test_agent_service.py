@@ -264,3 +264,34 @@ def test_the_proxy_answers_a_request_it_cannot_frame_as_malformed(tmp_path: Path
     msg = flower_request(wire.GRADIENT, {"request_id": "x", "blob": b"\x00"}, {})
     reply = proxy_message(msg, context(tmp_path / "none.sock"))
     assert reply.has_error() and reply.error.code == wire.ERR_MALFORMED
+
+
+def test_an_agent_killed_mid_request_charges_nothing_and_answers_after_restart(tmp_path: Path) -> None:
+    """SIGKILL between computing and committing (FEDFILTER_FAULT=after_compute): nothing left, nothing charged."""
+    toml = agent_toml(tmp_path)
+    sock = tmp_path / "agent.sock"
+    faulty = subprocess.Popen(
+        [sys.executable, "-m", "simulations.cli", "agent", "serve", str(toml)],
+        env=ENV | {"FEDFILTER_FAULT": "after_compute"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for_socket(faulty, sock)
+        reply = proxy_message(flower_request(wire.GRADIENT, *gradient("g1")), context(sock))
+        assert reply.has_error() and reply.error.code == wire.ERR_UNAVAILABLE  # the service died mid-request
+        assert faulty.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if faulty.poll() is None:
+            faulty.kill()
+    with Ledger.open_existing(tmp_path / "ledger.sqlite") as ledger:
+        assert ledger.requests_answered() == 0 and not np.any(ledger.state()["spent"])
+    restarted = start(toml)
+    try:
+        wait_for_socket(restarted, sock)
+        assert forward(str(sock), wire.GRADIENT, *gradient("g1"))[0] == 0  # answered afresh, charged once
+        assert np.count_nonzero(spent(tmp_path)) == 20
+    finally:
+        code, out = stop(restarted)
+    assert code == 0, out
