@@ -445,7 +445,7 @@ def _secagg_input(config: Mapping[str, Any], arrays: Mapping[str, Any], kind: st
     scale_bits = _int(config, "secagg_scale_bits", kind, minimum=0)
     if scale_bits > sa.MAX_SCALE_BITS:
         raise ProtocolError(f"{kind}: 'secagg_scale_bits' must be <= {sa.MAX_SCALE_BITS}, got {scale_bits}")
-    bound = _int(config, "secagg_value_bound", kind, minimum=1, maximum=2**63 - 1)
+    bound = _int(config, "secagg_value_bound", kind, minimum=1, maximum=sys.maxsize * 4)  # checked just below
     if bound > sa.SUM_LIMIT:
         raise ProtocolError(f"{kind}: 'secagg_value_bound' must be <= 2^63 - 1, got {bound}")
     peers = _index_list(arrays, "secagg_peers", kind)
