@@ -32,12 +32,17 @@ TIMEOUT_S = 3600.0
 
 
 def forward(
-    socket_path: str, message_type: str, config: dict[str, Any], arrays: dict[str, Any]
+    socket_path: str,
+    message_type: str,
+    config: dict[str, Any],
+    arrays: dict[str, Any],
+    *,
+    timeout: float = TIMEOUT_S,
 ) -> tuple[int, str, dict[str, Any], dict[str, Any]]:
     """The agent's reply to one request sent over ``socket_path``: (error code, reason, config, arrays)."""
     frame = local_wire.pack_request(message_type, dict(config), dict(arrays))  # FrameError, TypeError: malformed
     with grpc.insecure_channel(f"unix:{socket_path}", options=local_wire.CHANNEL_OPTIONS) as channel:
-        reply = channel.unary_unary(local_wire.METHOD)(frame, timeout=TIMEOUT_S)
+        reply = channel.unary_unary(local_wire.METHOD)(frame, timeout=timeout)
     return local_wire.unpack_reply(reply)
 
 

@@ -295,3 +295,28 @@ def test_an_agent_killed_mid_request_charges_nothing_and_answers_after_restart(t
     finally:
         code, out = stop(restarted)
     assert code == 0, out
+
+
+def test_a_caller_that_gives_up_mid_request_gets_the_committed_reply_on_retry(
+    served: tuple[Path, subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    """The proxy disconnects (its deadline passes) while the agent works: the agent still commits, once."""
+    import grpc
+
+    sock = tmp_path / "agent.sock"
+    # The service's first gradient imports torch (seconds): the caller's 0.5 s deadline passes mid-request.
+    with pytest.raises(grpc.RpcError) as gone:
+        forward(str(sock), wire.GRADIENT, *gradient("g1"), timeout=0.5)
+    assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 60
+    while True:  # the agent finishes and commits the request nobody is waiting for
+        with Ledger.open_existing(tmp_path / "ledger.sqlite") as ledger:
+            if ledger.requests_answered() == 1:
+                break
+        assert time.monotonic() < deadline, "the abandoned request was never committed"
+        time.sleep(0.2)
+    retry = forward(str(sock), wire.GRADIENT, *gradient("g1"))
+    again = forward(str(sock), wire.GRADIENT, *gradient("g1"))
+    assert retry[0] == 0 and retry[3]["total"].tobytes() == again[3]["total"].tobytes()
+    with Ledger.open_existing(tmp_path / "ledger.sqlite") as ledger:
+        assert ledger.requests_answered() == 1  # charged once, whatever the caller saw
