@@ -260,6 +260,8 @@ class Agent:
         try:
             request = wire.decode_request(message_type, config, arrays)
             if isinstance(request, wire.StatusRequest):
+                if wire.STATUS not in self.config.policy.allowed_kinds:
+                    raise PolicyError(f"request kind {wire.STATUS!r} is not allowed by policy-allowed-kinds")
                 return Outcome(*wire.StatusReply(request.request_id, self.status_json()).encode())
             digest = wire.request_digest(message_type, config, arrays)
             # A secure-aggregation step is stored under its session, not its request id: at most once each.

@@ -230,3 +230,9 @@ def test_requests_per_day_are_limited_per_ledger_whatever_the_run_id(tmp_path: P
     (tmp_path / "x").mkdir()
     with pytest.raises(AgentConfigError, match="policy-max-requests-per-day: expected an integer >= 1"):
         make_agent(tmp_path / "x", **{"policy-max-requests-per-day": 0})
+
+
+def test_status_is_answered_only_when_the_policy_allows_it(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path, **{"policy-allowed-kinds": [wire.GRADIENT]})
+    outcome = agent.handle(wire.STATUS, {"request_id": "s", "run_id": "run", "round": 0}, {})
+    assert outcome.error_code == wire.ERR_POLICY and "'query.status' is not allowed" in outcome.local_detail
