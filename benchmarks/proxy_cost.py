@@ -46,17 +46,23 @@ config, arrays = wire.encode_request(wire.GradientRequest(
     parameters=np.zeros({d}, np.float32)))
 """
 
-PROXY = REQUEST + """
+PROXY = (
+    REQUEST
+    + """
 from client_agent.client_app import forward
 code, reason, _, _ = forward(sys.argv[1], wire.GRADIENT, config, arrays)
 assert code == 0, reason
 """
+)
 
-IN_BUNDLE = REQUEST + """
+IN_BUNDLE = (
+    REQUEST
+    + """
 from client_agent.direct import answer_request
 outcome = answer_request({{"agent-config": sys.argv[1]}}, wire.GRADIENT, config, arrays, cache=None)
 assert not outcome.is_error, outcome.local_detail
 """
+)
 
 
 def timed(code: str, target: str, request_id: str) -> float:
@@ -120,8 +126,9 @@ def main() -> None:
     p, b = statistics.median(times["proxy"]), statistics.median(times["in-bundle"])
     print(f"{args.records} records, logreg {FEATURES}x{CLASSES} ({d:,} parameters), record units, local trust")
     print(f"{args.samples} samples each, interleaved; each sample is a new Python process, spawn to exit")
-    print(f"  in-bundle agent (cold, per message)   median {b * 1e3:8.0f} ms   best {min(times['in-bundle']) * 1e3:8.0f} ms")
-    print(f"  proxy to agent service                median {p * 1e3:8.0f} ms   best {min(times['proxy']) * 1e3:8.0f} ms")
+    best = {kind: min(values) * 1e3 for kind, values in times.items()}
+    print(f"  in-bundle agent (cold, per message)   median {b * 1e3:8.0f} ms   best {best['in-bundle']:8.0f} ms")
+    print(f"  proxy to agent service                median {p * 1e3:8.0f} ms   best {best['proxy']:8.0f} ms")
     print(f"  ratio in-bundle / proxy               {b / p:8.2f}")
     print(json.dumps({"records": args.records, "proxy_s": p, "in_bundle_s": b}))
 

@@ -67,7 +67,7 @@ def main() -> None:
     y = rng.integers(0, CLASSES, args.records)
     agent = make_agent(root / "usable", x, y)
     y_null = y.copy()
-    y_null[:: 10] = CLASSES + 3  # outside the model's classes: the null element
+    y_null[::10] = CLASSES + 3  # outside the model's classes: the null element
     null_agent = make_agent(root / "null", x, y_null)
     config, arrays = wire.encode_request(
         wire.GradientRequest(

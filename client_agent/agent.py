@@ -25,7 +25,6 @@ import logging
 import os
 import signal
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any

@@ -382,7 +382,9 @@ def _socket_mode(raw: Mapping[str, Any]) -> int:
     try:
         return int(text, 8)
     except ValueError as exc:
-        raise AgentConfigError(f"agent-socket-mode: expected octal permission bits such as \"0660\", got {text!r}") from exc
+        raise AgentConfigError(
+            f'agent-socket-mode: expected octal permission bits such as "0660", got {text!r}'
+        ) from exc
 
 
 def _positive_cfg(raw: Mapping[str, Any], key: str) -> float:

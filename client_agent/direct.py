@@ -118,4 +118,3 @@ def register_handlers(client: ClientApp, *, simulation: bool = False) -> ClientA
 def build_client_app(mods: list[Callable[..., Message]] | None = None, *, simulation: bool = False) -> ClientApp:
     """A ClientApp with extra mods (simulations pass :func:`simulation_node_config` and ``simulation=True``)."""
     return register_handlers(ClientApp(mods=mods or []), simulation=simulation)
-

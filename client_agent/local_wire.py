@@ -52,15 +52,17 @@ def _member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> NDArray[Any]:
     buf = io.BytesIO(raw)
     version = np.lib.format.read_magic(buf)
     if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf)
+        shape, _, dtype = np.lib.format.read_array_header_1_0(buf)
     elif version == (2, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(buf)
+        shape, _, dtype = np.lib.format.read_array_header_2_0(buf)
     else:
         raise FrameError(f"frame: member {info.filename!r} has .npy version {version}; expected 1.0 or 2.0")
     if dtype.hasobject:
         raise FrameError(f"frame: member {info.filename!r} holds Python objects; expected numbers or text")
     if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(raw) - buf.tell():
-        raise FrameError(f"frame: member {info.filename!r} declares shape {shape} of {dtype}, which its bytes do not hold")
+        raise FrameError(
+            f"frame: member {info.filename!r} declares shape {shape} of {dtype}, which its bytes do not hold"
+        )
     buf.seek(0)
     return np.lib.format.read_array(buf, allow_pickle=False)
 
@@ -118,6 +120,11 @@ def pack_reply(
 def unpack_reply(frame: bytes) -> tuple[int, str, dict[str, Any], dict[str, NDArray[Any]]]:
     header, arrays = _unpack(frame)
     code, reason, config = header.get("error_code"), header.get("error_reason"), header.get("config")
-    if isinstance(code, bool) or not isinstance(code, int) or not isinstance(reason, str) or not isinstance(config, dict):
+    if (
+        isinstance(code, bool)
+        or not isinstance(code, int)
+        or not isinstance(reason, str)
+        or not isinstance(config, dict)
+    ):
         raise FrameError("reply frame: expected 'error_code' (int), 'error_reason' (str) and 'config' (object)")
     return code, reason, config, arrays

@@ -38,6 +38,7 @@ from simulations.local_deployment import (
     stage_app,
     wait_for,
 )
+from tests.e2e.snapshots import snapshot
 
 pytestmark = pytest.mark.flower
 
@@ -70,20 +71,6 @@ def run_config(
         "round-timeout": round_timeout,
         "enrol-timeout": 120.0,
     }
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    request_ids: frozenset[str]
-    spent: np.ndarray
-    stopped: np.ndarray
-
-
-def snapshot(path: Path) -> Snapshot:
-    with Ledger.open_existing(path) as ledger:
-        state = ledger.state()
-        ids = frozenset(request_id for request_id, _, _ in ledger.releases())
-    return Snapshot(ids, state["spent"].copy(), state["stopped"].copy())
 
 
 def ledger_path(agent_toml: Path) -> Path:

@@ -63,6 +63,7 @@ from simulations.local_deployment import (
     stage_app,
     wait_for,
 )
+from tests.e2e.snapshots import snapshot
 
 pytestmark = pytest.mark.flower
 
@@ -261,20 +262,6 @@ def run_config(run_id: str, rounds: int) -> dict[str, Any]:
         "round-timeout": 60.0,
         "enrol-timeout": 60.0,
     }
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    request_ids: frozenset[str]
-    spent: np.ndarray
-    stopped: np.ndarray
-
-
-def snapshot(path: Path) -> Snapshot:
-    with Ledger.open_existing(path) as ledger:
-        state = ledger.state()
-        ids = frozenset(request_id for request_id, _, _ in ledger.releases())
-    return Snapshot(ids, state["spent"].copy(), state["stopped"].copy())
 
 
 def charges(path: Path, request_ids: set[str]) -> tuple[np.ndarray, list[float]]:

@@ -111,8 +111,16 @@ def status(sock: Path) -> dict[str, Any]:
 def gradient(request_id: str, rnd: int = 1, noise_std: float = 2.0) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return wire.encode_request(
         wire.GradientRequest(
-            request_id=request_id, run_id="run", round=rnd, noise_std=noise_std, l2_clip=1.0, trust="local",
-            unit="record", model="logreg", model_args=MODEL_ARGS, parameters=np.zeros(8, np.float32),
+            request_id=request_id,
+            run_id="run",
+            round=rnd,
+            noise_std=noise_std,
+            l2_clip=1.0,
+            trust="local",
+            unit="record",
+            model="logreg",
+            model_args=MODEL_ARGS,
+            parameters=np.zeros(8, np.float32),
         )
     )
 
@@ -134,7 +142,7 @@ def spent(toml_dir: Path) -> np.ndarray:
 def test_the_proxy_forwards_flower_messages_and_the_service_charges(
     served: tuple[Path, subprocess.Popen[str]], tmp_path: Path
 ) -> None:
-    toml, proc = served
+    _, proc = served
     sock = tmp_path / "agent.sock"
     assert oct(os.stat(sock).st_mode & 0o777) == oct(0o660)  # the TOML's default socket mode
     described = status(sock)
@@ -170,7 +178,7 @@ def test_an_unreachable_agent_is_a_fixed_error_that_spends_nothing(tmp_path: Pat
 def test_a_taken_socket_a_locked_ledger_and_a_bad_toml_stop_the_service_with_a_clear_error(
     served: tuple[Path, subprocess.Popen[str]], tmp_path: Path
 ) -> None:
-    toml, proc = served
+    toml, _ = served
     second = start(toml)  # the same socket, served
     code, out = stop(second, 0) if second.wait(timeout=60) is not None else (None, "")
     assert code == 2 and "expected" in out and "found another process serving it" in out
@@ -254,6 +262,7 @@ def test_hostile_frames_are_refused_without_inflating_or_allocating(tmp_path: Pa
     for name, data in cases.items():
         with pytest.raises(local_wire.FrameError):
             local_wire.unpack_request(data)
+            pytest.fail(f"{name}: a hostile frame was decoded")
     # A good frame round-trips, arrays and all.
     good = local_wire.pack_request(wire.GRADIENT, {"a": 1.5}, {"p": np.arange(3, dtype=np.float32)})
     message_type, config, arrays = local_wire.unpack_request(good)

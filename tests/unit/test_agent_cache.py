@@ -155,7 +155,9 @@ def test_least_recently_used_agents_are_closed(tmp_path: Path) -> None:
         for k in range(3):
             d = tmp_path / f"c{k}"
             d.mkdir()
-            assert not answer_request(node_config(d), wire.GRADIENT, *gradient(1), cache=cache, simulation=True).is_error
+            assert not answer_request(
+                node_config(d), wire.GRADIENT, *gradient(1), cache=cache, simulation=True
+            ).is_error
         assert len(cache) == 2
     finally:
         cache.clear()

@@ -25,7 +25,9 @@ def test_a_value_the_coordinator_refuses_is_named_before_submission(capsys: pyte
     assert "noise_std" in capsys.readouterr().err
 
 
-def test_exit_code_follows_flowers_run_status(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_exit_code_follows_flowers_run_status(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """flwr run --stream exits 0 when the ServerApp fails: the wrapper asks Flower for the run's status."""
 
     class FakeRun:

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("flwr.cli.build")
-from flwr.cli.build import build_fab_from_disk  # noqa: E402
-from flwr.common.constant import FAB_INCLUDE_PATTERNS  # noqa: E402
+from flwr.cli.build import build_fab_from_disk
+from flwr.common.constant import FAB_INCLUDE_PATTERNS
 
 REPO = Path(__file__).resolve().parents[2]
 # Only files with these endings can enter a FAB (FAB_INCLUDE_PATTERNS); copying the others changes nothing.

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from client_agent.agent import Agent
-from client_agent.direct import answer_request
 from client_agent.config import DEFAULT_MIN_NOISE_STD, AgentConfigError, Policy, parse_agent_config
+from client_agent.direct import answer_request
 from client_agent.ledger import LedgerError
 from coordinator.secagg import SecaggSettings, secagg_release
 from protocol import messages as wire
@@ -62,8 +62,12 @@ def test_every_error_code_has_fixed_text_free_of_detail() -> None:
 
 def test_a_bad_agent_configuration_answers_fixed_text(tmp_path: Path) -> None:
     """The ClientApp's configuration errors name the owner's files: they stay in the client's log."""
-    cfg = {"ledger-path": str(tmp_path / "l.sqlite"), "data-path": str(tmp_path / "missing.npz"), "epsilon": 1.0,
-           "delta": 1e-5}
+    cfg = {
+        "ledger-path": str(tmp_path / "l.sqlite"),
+        "data-path": str(tmp_path / "missing.npz"),
+        "epsilon": 1.0,
+        "delta": 1e-5,
+    }
     outcome = answer_request(cfg, wire.GRADIENT, *gradient(), cache=None)
     assert outcome.error_code == wire.ERR_LEDGER
     assert "missing.npz" in outcome.local_detail
@@ -117,8 +121,13 @@ def test_the_ledger_refuses_a_non_finite_state(tmp_path: Path) -> None:
     bad = dict(state) | {"spent": np.full_like(state["spent"], np.nan)}
     with pytest.raises(LedgerError, match=r"expected finite values in new_state\['spent'\]"):
         agent.ledger.commit(
-            request_id="x", message_type=wire.GRADIENT, run_id="run", digest="0" * 64, release={"k": np.zeros(1)},
-            new_state=bad, reply=b"",
+            request_id="x",
+            message_type=wire.GRADIENT,
+            run_id="run",
+            digest="0" * 64,
+            release={"k": np.zeros(1)},
+            new_state=bad,
+            reply=b"",
         )
     assert ledger_snapshot(agent) == before
 
@@ -151,7 +160,7 @@ def test_noise_seed_is_refused_outside_simulations(tmp_path: Path) -> None:
     assert not (tmp_path / "ledger.sqlite").exists()
     # A TOML file cannot set the switch either: it is a keyword in code, not a configuration key.
     toml = tmp_path / "agent.toml"
-    toml.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in cfg.items()) + '\nsimulation = true\n')
+    toml.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in cfg.items()) + "\nsimulation = true\n")
     with pytest.raises(AgentConfigError, match="unknown keys \\['simulation'\\]"):
         parse_agent_config({"agent-config": str(toml)})
 

@@ -190,8 +190,18 @@ def test_realisation_release_work_does_not_depend_on_acceptance(tmp_path: Path) 
         **{"realisation-max-rounds": 8, "policy-max-clip": 1.0, "policy-min-noise-std": 1.0},
     )
     config, arrays = wire.encode_request(
-        wire.GradientRequest("r1", "run", 1, 1.0, 0.5, "local", "client", "logreg", MODEL_ARGS,
-                             np.full(FEATURES * 2 + 2, 0.05, np.float32))
+        wire.GradientRequest(
+            "r1",
+            "run",
+            1,
+            1.0,
+            0.5,
+            "local",
+            "client",
+            "logreg",
+            MODEL_ARGS,
+            np.full(FEATURES * 2 + 2, 0.05, np.float32),
+        )
     )
     request = wire.decode_request(wire.GRADIENT, config, arrays)
     assert isinstance(request, wire.GradientRequest)

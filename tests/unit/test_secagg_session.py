@@ -496,7 +496,9 @@ def test_enrolment_refuses_clients_with_different_tree_noise(tmp_path: Path) -> 
     """Node noise sigma_m^2 / m per client sums to the mean sigma_m^2: a larger reservation would be under-covered."""
     tree = {"unit": "record", "epsilon": 2.0, "monitor": "tree", "monitor-max-rounds": 8}
     group = {
-        1000 + i: Agent(parse_agent_config(node_config(tmp_path, i, **tree, **{"monitor-noise-std": s}), simulation=True))
+        1000 + i: Agent(
+            parse_agent_config(node_config(tmp_path, i, **tree, **{"monitor-noise-std": s}), simulation=True)
+        )
         for i, s in enumerate((16.0, 8.0, 8.0))
     }
     cfg = gradient_config(3, rounds=8, monitor="tree", monitor_threshold=1, secagg_min_clients=3)
