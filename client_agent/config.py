@@ -319,18 +319,18 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
     unknown = sorted(set(raw) - _KEYS - _FLOWER_KEYS)
     if unknown:
         raise AgentConfigError(f"agent config: unknown keys {unknown}; expected keys among {sorted(_KEYS)}")
-    inf = math.inf
+    default = Policy()
     policy = Policy(
-        min_noise_std=_get(raw, "policy-min-noise-std", float, DEFAULT_MIN_NOISE_STD),
-        min_noise_multiplier=_get(raw, "policy-min-noise-multiplier", float, 0.0),
-        max_clip=_get(raw, "policy-max-clip", float, inf),
+        min_noise_std=_get(raw, "policy-min-noise-std", float, default.min_noise_std),
+        min_noise_multiplier=_get(raw, "policy-min-noise-multiplier", float, default.min_noise_multiplier),
+        max_clip=_get(raw, "policy-max-clip", float, default.max_clip),
         allowed_kinds=_names(raw, "policy-allowed-kinds", MESSAGE_TYPES),
         allowed_trust=_names(raw, "policy-allowed-trust", TRUST_MODES),
-        max_model_params=_get(raw, "policy-max-model-params", int, 10_000_000),
-        max_rounds_per_run=_get(raw, "policy-max-rounds-per-run", int, 100_000),
-        max_requests_per_day=_get(raw, "policy-max-requests-per-day", int, 1_000_000),
-        min_secagg_clients=_get(raw, "policy-secagg-min-clients", int, 2),
-        min_secagg_scale_bits=_get(raw, "policy-secagg-min-scale-bits", int, 16),
+        max_model_params=_get(raw, "policy-max-model-params", int, default.max_model_params),
+        max_rounds_per_run=_get(raw, "policy-max-rounds-per-run", int, default.max_rounds_per_run),
+        max_requests_per_day=_get(raw, "policy-max-requests-per-day", int, default.max_requests_per_day),
+        min_secagg_clients=_get(raw, "policy-secagg-min-clients", int, default.min_secagg_clients),
+        min_secagg_scale_bits=_get(raw, "policy-secagg-min-scale-bits", int, default.min_secagg_scale_bits),
     )
     if not 1 <= policy.min_secagg_scale_bits <= 52:
         raise AgentConfigError(

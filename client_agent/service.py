@@ -49,6 +49,7 @@ from client_agent.config import AgentConfig, AgentConfigError, parse_agent_confi
 from protocol import messages as wire
 
 LOG = logging.getLogger("fedfilter.agent.service")
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes on Linux, the terminating NUL included
 
 
 class ServiceError(OSError):
@@ -86,6 +87,11 @@ def ledger_lock(ledger_path: Path) -> Iterator[None]:
 
 def claim_socket_path(path: Path) -> None:
     """Make sure ``path`` is free: a stale socket is removed; a served one or any other file is an error."""
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ServiceError(
+            f"agent-socket: expected a path of at most {MAX_SOCKET_PATH} bytes (the Unix socket limit), "
+            f"found {len(os.fsencode(path))} bytes in {path}"
+        )
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -116,6 +122,7 @@ class AgentService:
 
     def handle(self, frame: bytes, context: Any = None) -> bytes:
         """One request frame in, one reply frame out (runs on the worker thread)."""
+        message_type = "?"
         try:
             message_type, req_config, arrays = local_wire.unpack_request(frame)
         except local_wire.FrameError as exc:
@@ -126,7 +133,7 @@ class AgentService:
         try:
             return local_wire.pack_reply(outcome.error_code, outcome.error_reason, outcome.config, outcome.arrays)
         except (local_wire.FrameError, TypeError, ValueError) as exc:
-            failed = refusal(wire.ERR_INTERNAL, message_type if "message_type" in locals() else "?", {}, exc)
+            failed = refusal(wire.ERR_INTERNAL, message_type, {}, exc)
             return local_wire.pack_reply(failed.error_code, failed.error_reason, None, None)
 
     def _answer(self, message_type: str, req_config: dict[str, Any], arrays: dict[str, Any]) -> Outcome:
@@ -175,6 +182,8 @@ def serve(config: AgentConfig, *, ready: threading.Event | None = None, stop: th
         try:
             if server.add_insecure_port(f"unix:{path}") == 0:
                 raise ServiceError(f"agent-socket: expected to listen on {path}, found it could not be bound")
+        except RuntimeError as exc:  # grpc's own bind failure (a missing or unwritable folder)
+            raise ServiceError(f"agent-socket: expected to listen on {path}, found: {exc}") from exc
         finally:
             os.umask(old_umask)
         os.chmod(path, config.socket_mode)

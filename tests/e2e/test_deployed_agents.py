@@ -38,7 +38,7 @@ from simulations.local_deployment import (
     stage_app,
     wait_for,
 )
-from tests.e2e.snapshots import snapshot
+from tests.e2e.common import make_parts, snapshot
 
 pytestmark = pytest.mark.flower
 
@@ -79,16 +79,6 @@ def ledger_path(agent_toml: Path) -> Path:
     return Path(tomllib.loads(agent_toml.read_text())["ledger-path"])
 
 
-def make_parts() -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(7)
-    parts = []
-    for _ in range(N_AGENTS):
-        x = rng.normal(size=(RECORDS, 4)).astype(np.float32)
-        x[RECORDS // 2 :] *= 0.01  # small gradients: units that outlive the first run
-        parts.append((x, (x[:, 0] > 0).astype(np.int64)))
-    return parts
-
-
 @dataclass
 class Federation:
     dep: LocalDeployment
@@ -106,7 +96,14 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]
     dep = LocalDeployment(root)
     try:
         app = stage_app(root / "app")
-        tomls = write_agent_files(root / "clients", make_parts(), epsilon=2.0, delta=1e-5, unit="record", trust="local")
+        tomls = write_agent_files(
+            root / "clients",
+            make_parts(N_AGENTS, RECORDS, seed=7, small_half=True),
+            epsilon=2.0,
+            delta=1e-5,
+            unit="record",
+            trust="local",
+        )
         text = tomls[2].read_text() + f"policy-min-noise-std = {POLICY_MIN_NOISE_STD}\n"
         tomls[2].write_text(text)
         dep.start_superlink()

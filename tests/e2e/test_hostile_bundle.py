@@ -63,7 +63,7 @@ from simulations.local_deployment import (
     stage_app,
     wait_for,
 )
-from tests.e2e.snapshots import snapshot
+from tests.e2e.common import make_parts, snapshot
 
 pytestmark = pytest.mark.flower
 
@@ -280,15 +280,6 @@ def charges(path: Path, request_ids: set[str]) -> tuple[np.ndarray, list[float]]
     return (np.zeros(n_units) if total is None else total), sigmas
 
 
-def make_parts() -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(13)
-    parts = []
-    for _ in range(N_AGENTS):
-        x = rng.normal(size=(RECORDS, 4)).astype(np.float32)
-        parts.append((x, (x[:, 0] > 0).astype(np.int64)))
-    return parts
-
-
 @dataclass
 class Agent:
     toml: Path
@@ -313,7 +304,9 @@ def build_world(root: Path) -> World:
     """The owner's files, the sockets' folder, the node venv and the deployment (nothing started yet)."""
     nogroup = grp.getgrnam(NODE_GROUP).gr_gid
     owner_dir, sockets, exfil = root / "owner", root / "sockets", root / "exfil"
-    tomls = write_agent_files(owner_dir, make_parts(), epsilon=EPSILON, delta=1e-5, unit="record", trust="local")
+    tomls = write_agent_files(
+        owner_dir, make_parts(N_AGENTS, RECORDS, seed=13), epsilon=EPSILON, delta=1e-5, unit="record", trust="local"
+    )
     sockets.mkdir()
     os.chown(sockets, 0, nogroup)
     sockets.chmod(0o2750)  # setgid: every socket made here is group nogroup, also after a restart

@@ -329,3 +329,11 @@ def test_a_caller_that_gives_up_mid_request_gets_the_committed_reply_on_retry(
     assert retry[0] == 0 and retry[3]["total"].tobytes() == again[3]["total"].tobytes()
     with Ledger.open_existing(tmp_path / "ledger.sqlite") as ledger:
         assert ledger.requests_answered() == 1  # charged once, whatever the caller saw
+
+
+def test_a_socket_path_over_the_unix_limit_is_a_clear_error(tmp_path: Path) -> None:
+    from client_agent.service import MAX_SOCKET_PATH, ServiceError, claim_socket_path
+
+    long_path = tmp_path / ("s" * (MAX_SOCKET_PATH + 1 - len(str(tmp_path)))) / "agent.sock"
+    with pytest.raises(ServiceError, match=f"expected a path of at most {MAX_SOCKET_PATH} bytes"):
+        claim_socket_path(long_path)
