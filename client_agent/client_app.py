@@ -41,6 +41,13 @@ def forward(
 ) -> tuple[int, str, dict[str, Any], dict[str, Any]]:
     """The agent's reply to one request sent over ``socket_path``: (error code, reason, config, arrays)."""
     frame = local_wire.pack_request(message_type, dict(config), dict(arrays))  # FrameError, TypeError: malformed
+    return send_frame(socket_path, frame, timeout=timeout)
+
+
+def send_frame(
+    socket_path: str, frame: bytes, *, timeout: float = TIMEOUT_S
+) -> tuple[int, str, dict[str, Any], dict[str, Any]]:
+    """Send one packed request frame over ``socket_path`` and unpack the agent's reply."""
     with grpc.insecure_channel(f"unix:{socket_path}", options=local_wire.CHANNEL_OPTIONS) as channel:
         reply = channel.unary_unary(local_wire.METHOD)(frame, timeout=timeout)
     return local_wire.unpack_reply(reply)
@@ -62,12 +69,12 @@ def proxy_message(msg: Message, context: Context) -> Message:
         reason = wire.ERROR_TEXT[wire.ERR_MALFORMED]
         return Message(Error(code=wire.ERR_MALFORMED, reason=reason), reply_to=msg)
     try:
-        local_wire.pack_request(msg.metadata.message_type, dict(config), dict(arrays))
+        frame = local_wire.pack_request(msg.metadata.message_type, dict(config), dict(arrays))
     except (local_wire.FrameError, TypeError, ValueError) as exc:  # e.g. bytes in the config, a reserved name
         LOG.warning("malformed %s request: %s", msg.metadata.message_type, exc)
         return Message(Error(code=wire.ERR_MALFORMED, reason=wire.ERROR_TEXT[wire.ERR_MALFORMED]), reply_to=msg)
     try:
-        code, reason, reply_config, reply_arrays = forward(socket_path, msg.metadata.message_type, config, arrays)
+        code, reason, reply_config, reply_arrays = send_frame(socket_path, frame)  # packed once, above
     except (grpc.RpcError, local_wire.FrameError, OSError) as exc:
         return unavailable(msg, exc)
     if code != 0:
