@@ -34,11 +34,15 @@ from numpy.typing import NDArray
 
 from client_agent import secagg_client
 from client_agent.config import AgentConfig
+from client_agent.identity import load_identity, load_peers
+from client_agent.data_sources import materialise
 from client_agent.ledger import Ledger, LedgerConfig, LedgerError
+from client_agent.streaming import Contributions, RowContributions, contributions_of
 from protocol import messages as wire
 from protocol import secagg as sa
 from protocol.filters import FilterState, charge, clip_scales, partial_clip, remaining
 from protocol.realisation import RealisationState, advance, decide, realised_loss
+from protocol.workload import BUILTIN_REF, DataSource, Workload, WorkloadError, layout_fingerprint, load_workload
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
 LOG = logging.getLogger("fedfilter.agent")
@@ -114,75 +118,30 @@ def unpack_reply(blob: bytes) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
     return config, arrays
 
 
-def load_client_data(path: os.PathLike[str] | str) -> tuple[NDArray[Any], NDArray[Any], str]:
-    """The client's records: ``x`` and ``y`` arrays from an .npz file, and the file's SHA-256."""
-    with open(path, "rb") as handle:
-        raw = handle.read()
-    try:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as data:
-            if "x" not in data.files or "y" not in data.files:
-                raise ValueError(f"data {path}: expected arrays 'x' and 'y' in the .npz file, found {data.files}")
-            x, y = data["x"], data["y"]
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise ValueError(f"data {path}: expected an .npz file with arrays 'x' and 'y', found: {exc}") from exc
-    if x.ndim < 1 or y.ndim != 1:
-        raise ValueError(f"data {path}: expected x with a record axis and y of shape (n,), got {x.shape} and {y.shape}")
-    if not (np.issubdtype(x.dtype, np.number) and np.issubdtype(y.dtype, np.integer)):
-        raise ValueError(f"data {path}: expected numeric x and integer labels y, got {x.dtype} and {y.dtype}")
-    if len(x) != len(y) or len(x) == 0:
-        raise ValueError(f"data {path}: expected as many labels as records (> 0), got {len(x)} and {len(y)}")
-    return x, y, hashlib.sha256(raw).hexdigest()
+def open_client_data(config: AgentConfig) -> tuple[Workload, DataSource]:
+    """The owner's workload (from the agent's ``workload`` key) and its source over ``data-path``."""
+    workload = load_workload(config.workload)
+    return workload, workload.open_data(config.data_path)
 
 
-_BLOCK_ROWS = 256  # rows per block: float64 temporaries of a few MB at any client size
+def load_client_data(
+    path: os.PathLike[str] | str, *, workload: Workload | None = None
+) -> tuple[NDArray[Any], NDArray[Any], str]:
+    """The client's records ``x`` and ``y`` as arrays, and the data's SHA-256 (the built-in source: an .npz).
 
-# The release kernel below does the same work on every row, whoever is stopped, exhausted, refused
-# or null: every row is scaled (by 0 for a unit that contributes nothing), measured, weighted and
-# summed. A branch, a fancy index or an extra copy for some rows would make the reply's timing
-# tell the coordinator how many units stopped, the very thing the monitor exists to hide
-# (privacy.md §7, §8); tests/unit/test_release_uniform.py traces it.
-
-
-def _row_norms(rows: NDArray[np.float32]) -> NDArray[np.float64]:
-    """Each row's L2 norm in float64 (the values of ``np.linalg.norm(rows.astype(float64), axis=1)``).
-
-    A row holding a NaN or an infinity has a non-finite norm, so this one pass also finds them.
+    Arrays of a memory-mapped source stay memory-mapped; other sources are read batch by batch.
     """
-    out = np.empty(len(rows), dtype=np.float64)
-    for start in range(0, len(rows), _BLOCK_ROWS):
-        out[start : start + _BLOCK_ROWS] = np.linalg.norm(rows[start : start + _BLOCK_ROWS].astype(np.float64), axis=1)
-    return out
+    source = (workload or load_workload(BUILTIN_REF)).open_data(path)
+    x, y = materialise(source)
+    return x, y, source.fingerprint()
 
 
-def _scale_rows(rows: NDArray[np.float32], scales: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Scale every row in place by its factor and return the scaled rows' norms (float64).
-
-    Every row is multiplied, a factor of 1 included (exact in float32), and every entry passes
-    through ``nan_to_num``: a non-finite row carries the factor 0, so it ends as the zero row
-    (0 * inf is NaN, then 0). Rows with finite values and a factor in [0, 1] stay finite.
-    """
-    factors = scales.astype(np.float32)[:, None]
-    out = np.empty(len(rows), dtype=np.float64)
-    for start in range(0, len(rows), _BLOCK_ROWS):
-        block = rows[start : start + _BLOCK_ROWS]
-        np.multiply(block, factors[start : start + _BLOCK_ROWS], out=block)
-        np.nan_to_num(block, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
-        out[start : start + _BLOCK_ROWS] = np.linalg.norm(block.astype(np.float64), axis=1)
-    return out
-
-
-def _weighted_sum(rows: NDArray[np.float32], weights: NDArray[np.bool_]) -> NDArray[np.float64]:
-    """Zero the rows whose weight is False, in place, and return the sum of all rows (float64).
-
-    The same multiply and add on every row: a unit left out is multiplied by 0, not skipped.
-    """
-    factors = weights.astype(np.float32)[:, None]
-    total = np.zeros(rows.shape[1], dtype=np.float64)
-    for start in range(0, len(rows), _BLOCK_ROWS):
-        block = rows[start : start + _BLOCK_ROWS]
-        np.multiply(block, factors[start : start + _BLOCK_ROWS], out=block)
-        total += block.sum(axis=0, dtype=np.float64)
-    return total
+# The release kernel (Agent.release over client_agent.streaming's Contributions) does the same work
+# on every unit, whoever is stopped, exhausted, refused or null: every unit is scaled (by 0 for a
+# unit that contributes nothing), measured, weighted and summed. A branch, a fancy index or an
+# extra copy for some units would make the reply's timing tell the coordinator how many units
+# stopped, the very thing the monitor exists to hide (privacy.md §7, §8);
+# tests/unit/test_release_uniform.py traces it.
 
 
 def _digest64(text: str) -> int:
@@ -214,8 +173,18 @@ class Agent:
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
-        self.x, self.y, fingerprint = load_client_data(config.data_path)
-        self.n_units = len(self.x) if config.unit == "record" else 1
+        # secagg trust: the owner's signing key and trusted peers (client_agent/identity.py), read
+        # before anything else so that a bad key file stops the agent before it opens its ledger.
+        self.identity: bytes | None = None
+        self.trusted_peers: frozenset[bytes] | None = None
+        if config.secagg_identity_key is not None and config.secagg_peers is not None:
+            self.identity = load_identity(config.secagg_identity_key)
+            self.trusted_peers = load_peers(config.secagg_peers)
+        # The owner's registry (privacy.md §10): requests name its models and queries, never code.
+        self.workload, self.source = open_client_data(config)
+        fingerprint = self.source.fingerprint()
+        self.n_units = len(self.source) if config.unit == "record" else 1
+        self._arrays: tuple[NDArray[Any], NDArray[Any]] | None = None
         if config.filter == "realisation":
             self.realisation = config.realisation_filter()
             self.gaussian = None
@@ -248,6 +217,20 @@ class Agent:
             params=params,
         )
         self.ledger = Ledger.open(config.ledger_path, self.ledger_config, initial_state=initial)
+
+    @property
+    def x(self) -> NDArray[Any]:
+        """The records' features as one array (transitional: memory-mapped where the source is, else read whole)."""
+        if self._arrays is None:
+            self._arrays = materialise(self.source)
+        return self._arrays[0]
+
+    @property
+    def y(self) -> NDArray[Any]:
+        """The records' targets as one array (see :attr:`x`)."""
+        if self._arrays is None:
+            self._arrays = materialise(self.source)
+        return self._arrays[1]
 
     def close(self) -> None:
         self.ledger.close()
@@ -295,7 +278,8 @@ class Agent:
         ledger["params"] = {k: v for k, v in ledger["params"].items() if k not in ("data_sha256", "noise_seed")}
         if self.config.noise_seed is not None:
             ledger["params"]["noise"] = "seeded (simulation)"  # the coordinator learns that, not the seed
-        return json.dumps({"ledger": ledger, "policy": self.config.policy.describe()}, sort_keys=True)
+        description = {"ledger": ledger, "policy": self.config.policy.describe(), "workload": self.workload.describe()}
+        return json.dumps(description, sort_keys=True)
 
     # -- policy -----------------------------------------------------------------------
 
@@ -305,6 +289,7 @@ class Agent:
         kind = wire.message_type_of(request)
         if kind not in policy.allowed_kinds:
             raise PolicyError(f"request kind {kind!r} is not allowed; allowed kinds: {list(policy.allowed_kinds)}")
+        self.check_workload(request)
         trust = getattr(request, "trust", self.config.trust)
         if trust not in policy.allowed_trust or trust != self.config.trust:
             raise PolicyError(f"trust {trust!r} asked; this client's ledger is fixed to trust {self.config.trust!r}")
@@ -323,6 +308,10 @@ class Agent:
                 )
             if request.l2_clip > policy.max_clip:
                 raise PolicyError(f"l2_clip {request.l2_clip!r} asked; the policy allows at most {policy.max_clip!r}")
+        if isinstance(request, wire.GradientRequest) and request.local_steps > policy.max_local_steps:
+            raise PolicyError(
+                f"local_steps {request.local_steps} asked; the policy allows at most {policy.max_local_steps}"
+            )
         if isinstance(request, wire.SecaggSharesRequest) and request.min_clients < policy.min_secagg_clients:
             raise PolicyError(
                 f"secagg min_clients {request.min_clients} asked; the policy requires at least "
@@ -352,15 +341,53 @@ class Agent:
                 f"{policy.max_requests_per_day} per day, whatever the run"
             )
 
+    def check_workload(self, request: wire.Request) -> None:
+        """Refuse (as malformed) a model or query name this client's workload does not register, a query
+        asked without the model it needs, or a model whose parameter layout is not the coordinator's.
+
+        Only names and public arguments are read here, never the data: a refusal says nothing about it.
+        """
+        kind = wire.message_type_of(request)
+        if isinstance(request, wire.IndicatorRequest):
+            try:
+                query = self.workload.query(request.predicate)
+            except WorkloadError as exc:
+                raise wire.ProtocolError(f"{kind}: query {request.predicate!r}: {exc}") from exc
+            if query.needs_model != (request.model is not None):
+                need = "needs the request's model: missing key 'model'" if query.needs_model else (
+                    "takes no model: unexpected key 'model'"
+                )
+                raise wire.ProtocolError(f"{kind}: query {request.predicate!r} {need}")
+        model = getattr(request, "model", None)
+        if model is None:
+            return
+        import torch
+
+        try:
+            with torch.device("meta"):  # names and shapes only, nothing allocated: model_args may name huge layers
+                built = self.workload.build_model(model, **json.loads(getattr(request, "model_args", None) or "{}"))
+        except WorkloadError as exc:
+            raise wire.ProtocolError(f"{kind}: model {model!r}: {exc}") from exc
+        layout = getattr(request, "layout", None)
+        if layout is not None and layout != layout_fingerprint(built):
+            raise wire.ProtocolError(
+                f"{kind}: layout: the coordinator's model {model!r} has parameter layout {layout[:16]}..., this "
+                f"client's build of it (workload {self.workload.name!r}) has {layout_fingerprint(built)[:16]}...; "
+                "expected the same (name, shape, dtype) of every parameter"
+            )
+
     # -- answering ------------------------------------------------------------------------
 
     def answer(self, request: wire.Request, digest: str) -> Outcome:
         state = self.ledger.state()
         new_state = state
         if isinstance(request, wire.SecaggKeysRequest):
-            cfg, arrs, release = secagg_client.advertise(request)
+            cfg, arrs, release = secagg_client.advertise(request, self._identity())
         elif isinstance(request, wire.SecaggSharesRequest):
-            cfg, arrs, release = secagg_client.share_keys(self.ledger, request)
+            assert self.trusted_peers is not None
+            cfg, arrs, release = secagg_client.share_keys(self.ledger, request, self._identity(), self.trusted_peers)
+        elif isinstance(request, wire.SecaggCheckRequest):
+            cfg, arrs, release = secagg_client.check(self.ledger, request, self._identity())
         elif isinstance(request, wire.SecaggUnmaskRequest):
             cfg, arrs, release = secagg_client.unmask(self.ledger, request)
         elif isinstance(request, wire.MonitorRequest):
@@ -396,6 +423,11 @@ class Agent:
         fault_point("after_commit")
         return Outcome(*unpack_reply(blob))
 
+    def _identity(self) -> bytes:
+        if self.identity is None:  # only in secagg trust, where the configuration requires the key
+            raise PolicyError("secagg: this agent has no secagg-identity-key; it takes part in no session")
+        return self.identity
+
     def rng(self, request: wire.Request) -> np.random.Generator:
         """Noise source: OS entropy, or (simulations and tests) a seed mixed with the request's ledger id.
 
@@ -409,27 +441,44 @@ class Agent:
         text = f"{self.config.noise_seed}|{secagg_client.ledger_id(request)}"
         return np.random.default_rng(int.from_bytes(hashlib.sha256(text.encode()).digest(), "little"))
 
-    def contributions(self, request: wire.GradientRequest | wire.IndicatorRequest) -> NDArray[np.float32]:
-        """Each unit's unclipped contribution, one row per unit (float32)."""
-        from client_agent.workloads import gradient_rows, indicator_rows
+    def contributions(self, request: wire.GradientRequest | wire.IndicatorRequest) -> Contributions:
+        """Each unit's unclipped contribution: streamed per-record gradients, or materialised float32 rows.
 
+        Record-unit gradients are :class:`client_agent.streaming.StreamedGradients` (two passes over
+        the records in chunks, run by :meth:`release`); never an (n, d) matrix.
+        """
+        from client_agent.workloads import gradient_contributions, indicator_rows
+
+        if isinstance(request, wire.GradientRequest) and request.local_steps > 0:
+            from client_agent.local_training import local_rows
+
+            # Minibatches from a child stream of the noise source: seeded runs would otherwise draw
+            # the batches and the noise from one stream, and the contribution would not be
+            # independent of its noise (the Gaussian mechanism needs it to be).
+            rng = self.rng(request).spawn(1)[0]
+            return contributions_of(local_rows(request, self.x, self.y, rng=rng, workload=self.workload))
         if isinstance(request, wire.GradientRequest):
-            return gradient_rows(request, self.x, self.y, unit=self.config.unit)
-        return indicator_rows(request, self.x, self.y, unit=self.config.unit)
+            return gradient_contributions(
+                request, self.source, unit=self.config.unit, workload=self.workload
+            )
+        return contributions_of(indicator_rows(request, self.source, unit=self.config.unit, workload=self.workload))
 
     def release(
         self,
         request: wire.GradientRequest | wire.IndicatorRequest,
-        rows: NDArray[np.float32],
+        contributions: Contributions | NDArray[np.float32],
         state: dict[str, NDArray[Any]],
         *,
         masked: secagg_client.MaskedContext | None = None,
     ) -> tuple[wire.ContributionReply | wire.MaskedInputReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
         """Clip, price, noise: the reply, the new filter state and the release record.
 
-        ``rows`` is this request's own array (from :meth:`contributions`): it is clipped in place,
-        and the norms are taken block by block, so a large client (60,000 x 26,010 floats) needs
-        no float64 copy of it.
+        ``contributions`` is this request's own (from :meth:`contributions`; a float32 (n, d) array
+        is wrapped as materialised rows): norms first, then the clipped, admitted sum. Rows are
+        clipped in place block by block; streamed gradients run their two passes here, so nothing
+        is charged before the sum exists. Streamed norms carry a relative error bound E
+        (``norm_rel_error``): the clip is bound / (1 + E) and the charge norm * scale * (1 + E),
+        never below the clipped contribution's norm (client_agent/streaming.py).
 
         In secagg trust (``masked``) a unit's charge includes the fixed-point rounding slack
         sqrt(d) / 2^k (protocol.secagg.rounding_slack): it pays (||v|| + slack)^2 / sigma^2 against
@@ -437,13 +486,15 @@ class Agent:
         min(C, sigma sqrt(T - S) - slack), so that the last, partial round still fits the remainder.
         """
         sigma, clip = request.noise_std, request.l2_clip
-        if not rows.flags.writeable:
-            rows = rows.copy()
-        slack = 0.0 if masked is None else sa.rounding_slack(rows.shape[1], masked.scale_bits)
+        units = contributions_of(contributions)
+        if units.n_units != self.n_units:
+            raise ValueError(f"contributions: expected {self.n_units} units, got {units.n_units}")
+        margin = 1.0 + units.norm_rel_error
+        slack = 0.0 if masked is None else sa.rounding_slack(units.dim, masked.scale_bits)
         # A unit whose contribution is not finite (an overflow at extreme parameters) contributes
         # the null element's zero and pays nothing. Refusing instead would answer, uncharged, a
         # question about the client's data: whether some record overflows (privacy.md §1, §2).
-        norms = _row_norms(rows)
+        norms = units.norms()
         finite = np.isfinite(norms)
         norms = np.where(finite, norms, 0.0)
         new_state = dict(state)
@@ -456,12 +507,12 @@ class Agent:
             room = sigma * np.sqrt(remaining(self.gaussian, fstate)) - slack
             starved = (room <= 0.0) & ~fstate.stopped if slack else np.zeros(norms.size, dtype=np.bool_)
             bounds = np.minimum(bounds, np.maximum(room, 0.0)) if slack else bounds
-            scales = clip_scales(norms, bounds, dtype_eps=FLOAT32_EPS) * finite
-            clipped_norms = _scale_rows(rows, scales)
+            scales = clip_scales(norms, bounds / margin, dtype_eps=FLOAT32_EPS) * finite
+            clipped_norms = units.scale(scales)
             if slack:
                 clipped_norms = np.where(clipped_norms > 0, clipped_norms + slack, 0.0)
             result = charge(self.gaussian, fstate, noise_std=sigma, l2_norms=clipped_norms)
-            total = _weighted_sum(rows, result.admitted)
+            total = units.weighted_sum(result.admitted)
             record = result.release(kind=kind, round_id=request.request_id, noise_std=sigma, l2_norms=clipped_norms)
             stopped = np.array(result.state.stopped | starved)
             newly = stopped & ~fstate.stopped
@@ -475,18 +526,22 @@ class Agent:
                 "refused": np.asarray(record.refused | starved),
             }
             active_after = ~stopped
-            noise = self.rng(request).normal(0.0, sigma, rows.shape[1]) if self.config.trust == "local" else None
+            noise = self.rng(request).normal(0.0, sigma, units.dim) if self.config.trust == "local" else None
         else:
             assert self.realisation is not None
+            if not isinstance(units, RowContributions):  # realised losses need the rows: client units only
+                raise ValueError("realisation filter: expected materialised rows (client units)")
             rstate = RealisationState(
                 loss=state["loss"], accepting=state["accepting"], answered=int(state["answered"][0])
             )
-            scales = clip_scales(norms, np.full(norms.size, clip), dtype_eps=FLOAT32_EPS) * finite
-            clipped_norms = _scale_rows(rows, scales)
+            scales = clip_scales(norms, np.full(norms.size, clip) / margin, dtype_eps=FLOAT32_EPS) * finite
+            clipped_norms = units.scale(scales)
             step = decide(self.realisation, rstate, mu=clipped_norms / sigma)
-            total = _weighted_sum(rows, step.participating)
-            noise = self.rng(request).normal(0.0, sigma, rows.shape[1])
-            losses = np.where(step.participating, realised_loss(contribution=rows, noise=noise, noise_std=sigma), 0.0)
+            total = units.weighted_sum(step.participating)
+            noise = self.rng(request).normal(0.0, sigma, units.dim)
+            losses = np.where(
+                step.participating, realised_loss(contribution=units.rows, noise=noise, noise_std=sigma), 0.0
+            )
             after = advance(rstate, step, losses=losses)
             newly = ~after.accepting & rstate.accepting
             new_state.update(
@@ -567,8 +622,16 @@ class Agent:
             raise PolicyError(f"monitor round {t} asked; the reserved tree covers at most {monitor.max_rounds} rounds")
         masked = None
         if request.secagg is not None:  # halt counts are at most n_units per node
+            # The session's node noise, the same for every member (the fingerprint covers it); below
+            # this client's reservation it would make the halt reports cost more than reserved.
+            noise_std = request.noise_std if request.noise_std is not None else 0.0
+            if not noise_std >= monitor.noise_std:
+                raise PolicyError(
+                    f"monitor noise_std {noise_std!r} asked; this client reserved its tree at noise std "
+                    f">= {monitor.noise_std!r}"
+                )
             masked = secagg_client.prepare_masked(
-                self.ledger, request, request.secagg, noise_std=monitor.noise_std, n_units=self.n_units, l2_clip=1.0
+                self.ledger, request, request.secagg, noise_std=noise_std, n_units=self.n_units, l2_clip=1.0
             )
         halt = state["halt_round"]
         counts = np.zeros(monitor.levels)

@@ -21,6 +21,7 @@ from protocol.messages import MESSAGE_TYPES, TRUST_MODES, UNITS
 from protocol.realisation import RealisationFilter
 from protocol.releases import tree_levels
 from protocol.validate import PrivacyParameterError, open_unit, positive, positive_int
+from protocol.workload import BUILTIN_REF
 
 AGENT_FILTERS: tuple[str, ...] = (*FILTER_KINDS, "realisation")
 DEFAULT_MIN_NOISE_STD = 1e-6
@@ -54,6 +55,9 @@ class Policy:
     # secagg trust: the fewest fixed-point fraction bits; each masked input pays a rounding slack
     # sqrt(d) / 2^scale_bits on its norm, so a coordinator asking for few bits would burn budget.
     min_secagg_scale_bits: int = 16
+    # Local training (client units): the most local SGD steps one request may ask for (0: none). A
+    # rate limit on the client's compute, not a budget: the charge per request does not grow with it.
+    max_local_steps: int = 100
 
     def __post_init__(self) -> None:
         # A NaN limit would compare False with everything and silently switch the limit off.
@@ -77,6 +81,10 @@ class Policy:
         ):
             if count < 1:
                 raise AgentConfigError(f"{name}: expected an integer >= 1, got {count!r}")
+        if self.max_local_steps < 0:
+            raise AgentConfigError(
+                f"policy-max-local-steps: expected an integer >= 0 (0: no local training), got {self.max_local_steps!r}"
+            )
 
     def describe(self) -> dict[str, object]:
         return {
@@ -90,6 +98,7 @@ class Policy:
             "max_requests_per_day": self.max_requests_per_day,
             "min_secagg_clients": self.min_secagg_clients,
             "min_secagg_scale_bits": self.min_secagg_scale_bits,
+            "max_local_steps": self.max_local_steps,
         }
 
 
@@ -148,8 +157,22 @@ class AgentConfig:
     # `fedfilter agent serve` only: the Unix socket the ClientApp proxy connects to, and its mode.
     socket_path: Path | None = None
     socket_mode: int = 0o660
+    # The owner's workload (protocol/workload.py): "package.module:object" or an entry point name of
+    # group fedfilter.workloads. Requests name its models and queries; they never name code.
+    workload: str = BUILTIN_REF
+    # secagg trust: this agent's long-term Ed25519 signing key (a file only the owner can read), and
+    # the identity keys of the peers it will aggregate with, agreed outside the coordinator
+    # (protocol.secagg, "identities and signatures"). Both are required in secagg trust.
+    secagg_identity_key: Path | None = None
+    secagg_peers: Path | None = None
 
     def __post_init__(self) -> None:
+        if self.trust == "secagg" and (self.secagg_identity_key is None or self.secagg_peers is None):
+            raise AgentConfigError(
+                "secagg-identity-key and secagg-peers: expected both in secagg trust (this agent's signing key and "
+                "its trusted peers' identity keys; `fedfilter agent keygen` writes a key), found "
+                f"{'neither' if self.secagg_identity_key is None and self.secagg_peers is None else 'one'}"
+            )
         try:
             positive("epsilon", self.epsilon)
             open_unit("delta", self.delta)
@@ -168,6 +191,10 @@ class AgentConfig:
             raise AgentConfigError(
                 f"agent-socket: expected an absolute path (or a path relative to the agent TOML file), "
                 f"got {str(self.socket_path)!r}"
+            )
+        if not isinstance(self.workload, str) or not self.workload.strip():
+            raise AgentConfigError(
+                f"workload: expected 'package.module:object' or an entry point name, got {self.workload!r}"
             )
         if self.noise_seed is not None and self.noise_seed < 0:
             raise AgentConfigError(f"noise-seed: expected an integer >= 0, got {self.noise_seed}")
@@ -257,9 +284,13 @@ _KEYS = {
     "policy-max-requests-per-day",
     "policy-secagg-min-clients",
     "policy-secagg-min-scale-bits",
+    "policy-max-local-steps",
     "noise-seed",
     "agent-socket",
     "agent-socket-mode",
+    "workload",
+    "secagg-identity-key",
+    "secagg-peers",
 }
 # Keys Flower itself puts into a simulated node's config.
 _FLOWER_KEYS = {"partition-id", "num-partitions"}
@@ -312,7 +343,7 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
             raise AgentConfigError(f"agent-config: {path} is not valid TOML: {exc}") from exc
         # A relative path in the file means relative to the file: the SuperNode runs the
         # ClientApp in a folder of its own, where the owner's relative paths would mean nothing.
-        for key in ("data-path", "ledger-path", "agent-socket"):
+        for key in ("data-path", "ledger-path", "agent-socket", "secagg-identity-key", "secagg-peers"):
             if isinstance(loaded.get(key), str) and not Path(loaded[key]).is_absolute():
                 loaded[key] = str(path.resolve().parent / loaded[key])
         raw = {**loaded, **raw}
@@ -331,6 +362,7 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         max_requests_per_day=_get(raw, "policy-max-requests-per-day", int, default.max_requests_per_day),
         min_secagg_clients=_get(raw, "policy-secagg-min-clients", int, default.min_secagg_clients),
         min_secagg_scale_bits=_get(raw, "policy-secagg-min-scale-bits", int, default.min_secagg_scale_bits),
+        max_local_steps=_get(raw, "policy-max-local-steps", int, default.max_local_steps),
     )
     if not 1 <= policy.min_secagg_scale_bits <= 52:
         raise AgentConfigError(
@@ -373,6 +405,9 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         noise_seed=seed,
         socket_path=Path(_get(raw, "agent-socket", str)) if "agent-socket" in raw else None,
         socket_mode=_socket_mode(raw),
+        workload=_get(raw, "workload", str, BUILTIN_REF),
+        secagg_identity_key=Path(_get(raw, "secagg-identity-key", str)) if "secagg-identity-key" in raw else None,
+        secagg_peers=Path(_get(raw, "secagg-peers", str)) if "secagg-peers" in raw else None,
     )
 
 

@@ -61,6 +61,31 @@ def _checked_weights(weights: torch.Tensor | None, n: int) -> torch.Tensor | Non
     return weights
 
 
+def check_no_batch_norm(model: nn.Module) -> None:
+    """Reject BatchNorm: batch statistics mix examples, so there is no per-example gradient."""
+    batch_norms = [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+    if batch_norms:
+        raise ValueError(
+            f"model: BatchNorm is not supported for per-example gradients (it mixes examples), found {batch_norms}"
+        )
+
+
+def example_gradients_fn(
+    model: nn.Module, loss_fn: LossFn, device: torch.device | str | None = None
+) -> tuple[Callable[..., dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """``(fn, params)``: ``fn(params, x, y, w)`` gives each example's gradient of ``w_i * loss_i``, by vmap(grad)."""
+    params, buffers = _detached_state(model)
+    if device is not None:
+        params = {name: p.to(device) for name, p in params.items()}
+        buffers = {name: b.to(device) for name, b in buffers.items()}
+
+    def example_loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
+        logits = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
+        return _check_losses(loss_fn(logits, yi.unsqueeze(0)), 1).sum() * wi
+
+    return vmap(grad(example_loss), in_dims=(None, 0, 0, 0)), params
+
+
 def per_example_gradients(
     model: nn.Module,
     loss_fn: LossFn,
@@ -75,28 +100,19 @@ def per_example_gradients(
     ``weights`` (shape ``(n,)``) multiplies each example's loss: weight 0 gives that example the
     zero row by the same computation as every other example (the null element, privacy.md §1).
 
-    Memory is bounded by ``chunk_size`` examples' gradients at a time plus the ``(n, d)`` result.
+    Memory is bounded by ``chunk_size`` examples' gradients at a time plus the ``(n, d)`` result:
+    the slow reference of :mod:`client_agent.streaming`, which never forms the ``(n, d)`` matrix.
     Models with BatchNorm are rejected: batch statistics mix examples, so there is no per-example
     gradient (use GroupNorm/LayerNorm instead).
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size: expected an integer > 0, got {chunk_size!r}")
-    batch_norms = [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
-    if batch_norms:
-        raise ValueError(
-            f"model: BatchNorm is not supported for per-example gradients (it mixes examples), found {batch_norms}"
-        )
+    check_no_batch_norm(model)
     n = _check_inputs(x, y)
     w = _checked_weights(weights, n)
     if w is None:
         w = torch.ones(n, dtype=torch.float32, device=x.device)
-    params, buffers = _detached_state(model)
-
-    def example_loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
-        logits = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
-        return _check_losses(loss_fn(logits, yi.unsqueeze(0)), 1).sum() * wi
-
-    example_grads = vmap(grad(example_loss), in_dims=(None, 0, 0, 0))
+    example_grads, params = example_gradients_fn(model, loss_fn)
     d = sum(p.numel() for p in params.values())
     out = torch.empty((n, d), dtype=torch.float32, device=x.device)
     for start in range(0, n, chunk_size):

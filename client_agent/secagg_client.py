@@ -7,9 +7,11 @@ file, already holding everything the client has released):
 
 | step                  | ledger id            | release record holds                                  |
 |-----------------------|----------------------|-------------------------------------------------------|
-| 1 ``secagg_keys``     | the session id       | the two X25519 secrets and the self-mask seed b_u     |
-| 2 ``secagg_shares``   | ``<session>|shares`` | the roster (public keys), this client's index, m      |
+| 1 ``secagg_keys``     | the session id       | the two X25519 secrets, the self-mask seed b_u and    |
+|                       |                      | the step-3 request fingerprint it signed              |
+| 2 ``secagg_shares``   | ``<session>|shares`` | the authenticated roster, this client's index, m      |
 | 3 masked input        | ``<session>|masked`` | the charge (as any release) and the peers' shares     |
+| check ``secagg_check``| ``<session>|check``  | the survivor set U3 and dropped set it signed         |
 | 4 ``secagg_unmask``   | ``<session>|unmask`` | the survivors U3 it answered for                      |
 
 Steps 2-4 are keyed by the session, not by the coordinator's request id, so each happens
@@ -18,10 +20,20 @@ primary key enforces it; a second request for a step with other content is a rep
 
 - one masked input per session: two masked inputs under the same masks would reveal the
   difference of the two inputs;
-- one unmask answer per session: for each peer the client reveals the share of its self-mask
-  seed (peer survived) or of its masking key (peer dropped), never both, so a coordinator
-  cannot obtain both for one peer by asking again with another survivor set;
-- step 4 needs step 3: only a client that sent its masked input helps unmask.
+- one signed survivor set per session, and one unmask answer, for that set only: for each
+  peer the client reveals the share of its self-mask seed (peer survived) or of its masking
+  key (peer dropped), never both; and since each honest client signs one set and an unmask
+  needs m signatures over the same set with 2m > n, no two clients can be told different sets;
+- step 4 needs the check, the check needs step 3: only a client that sent its masked input
+  signs and helps unmask.
+
+Against a coordinator that deviates (Bonawitz et al. 2017, Sec. 6.2; the model-inconsistency
+attack of Pasquini et al., CCS 2022): the roster is accepted only when every member is an
+identity from the owner's ``secagg-peers`` file that signed its advertisement for this run,
+round, session and step-3 request fingerprint (no invented or substituted member, no replay
+from another session); step 3 is answered only for a request with that fingerprint (no other
+model for one client); the unmask step only for the survivor set this client signed, with m
+valid signatures over it.
 
 Charge before release (privacy.md §9): the masked input's charge is in the same commit as
 the stored reply, as for every release.
@@ -41,6 +53,7 @@ from protocol import secagg as sa
 
 KEYS_KIND = "secagg-keys"
 SHARES_KIND = "secagg-shares"
+CHECK_KIND = "secagg-check"
 UNMASK_KIND = "secagg-unmask"
 
 
@@ -52,6 +65,8 @@ def ledger_id(request: wire.Request) -> str:
     """Where the answer to ``request`` is stored: the session's step for secure aggregation, else its id."""
     if isinstance(request, wire.SecaggSharesRequest):
         return f"{request.session}|shares"
+    if isinstance(request, wire.SecaggCheckRequest):
+        return f"{request.session}|check"
     if isinstance(request, wire.SecaggUnmaskRequest):
         return f"{request.session}|unmask"
     secagg = getattr(request, "secagg", None)
@@ -64,6 +79,11 @@ def replay_reason(request: wire.Request) -> str:
     """Why a request whose step this session already answered with other content is refused."""
     if isinstance(request, wire.SecaggSharesRequest):
         return f"secagg session {request.session!r} already shared its keys for another roster; one roster per session"
+    if isinstance(request, wire.SecaggCheckRequest):
+        return (
+            f"secagg session {request.session!r} already signed another survivor set; one set per session, "
+            "or two clients could be told two sets"
+        )
     if isinstance(request, wire.SecaggUnmaskRequest):
         return (
             f"secagg session {request.session!r} already answered the unmask step for another survivor set; "
@@ -118,7 +138,16 @@ def load_session(ledger: Ledger, request: wire.RequestBase, session: str) -> Ses
     shares = _step(ledger, f"{session}|shares", (wire.SECAGG_SHARES,), request, "step 2 (shares)")
     rel = shares.release
     roster = sa.Roster(
-        request.run_id, request.round, int(rel["min_clients"][0]), rel["encryption_keys"], rel["masking_keys"]
+        request.run_id,
+        request.round,
+        int(rel["min_clients"][0]),
+        rel["encryption_keys"],
+        rel["masking_keys"],
+        session=session,
+        fingerprint=str(keys.release["fingerprint"]),
+        identities=rel["identities"],
+        commitments=rel["commitments"],
+        signatures=rel["signatures"],
     )
     return Session(_secrets(keys), roster, int(rel["own"][0]))
 
@@ -129,19 +158,38 @@ def load_session(ledger: Ledger, request: wire.RequestBase, session: str) -> Ses
 Answer = tuple[dict[str, Any], dict[str, NDArray[Any]], dict[str, NDArray[Any]]]  # reply config, arrays, release
 
 
-def advertise(request: wire.SecaggKeysRequest) -> Answer:
-    """Step 1: fresh secrets for this session; the reply is public keys and the seed commitment only."""
+def advertise(request: wire.SecaggKeysRequest, identity: bytes) -> Answer:
+    """Step 1: fresh secrets for this session; the reply is public keys, the seed commitment and a signature.
+
+    The signature binds the keys to this run, round, session and step-3 request fingerprint, under
+    the owner's long-term identity key: no coordinator can forge it, nor reuse it in another session.
+    """
     secrets = sa.ClientSecrets.fresh()
+    signature = sa.sign(
+        identity,
+        sa.advert_message(
+            run_id=request.run_id,
+            round=request.round,
+            session=request.request_id,
+            fingerprint=request.fingerprint,
+            encryption_key=secrets.encryption_key,
+            masking_key=secrets.masking_key,
+            commitment=secrets.commitment,
+        ),
+    )
     reply = wire.SecaggKeysReply(
         request.request_id,
         request.request_id,
         _u8(secrets.encryption_key),
         _u8(secrets.masking_key),
         _u8(secrets.commitment),
+        _u8(sa.identity_public_key(identity)),
+        _u8(signature),
     )
     release = {
         "kind": np.array(KEYS_KIND),
         "round": np.array([request.round]),
+        "fingerprint": np.array(request.fingerprint),
         "encryption_secret": _u8(secrets.encryption_secret),
         "masking_secret": _u8(secrets.masking_secret),
         "self_seed": _u8(secrets.self_seed),
@@ -149,14 +197,38 @@ def advertise(request: wire.SecaggKeysRequest) -> Answer:
     return (*reply.encode(), release)
 
 
-def share_keys(ledger: Ledger, request: wire.SecaggSharesRequest) -> Answer:
-    """Step 2: check the roster (this client listed once, keys distinct, 2 <= m <= n) and seal its shares."""
+def share_keys(ledger: Ledger, request: wire.SecaggSharesRequest, identity: bytes, trusted: frozenset[bytes]) -> Answer:
+    """Step 2: authenticate the roster and seal this client's shares for its members.
+
+    Refused: a fingerprint other than the one this client signed at step 1; a member whose
+    identity is not in the owner's peer list, listed twice, or whose advertisement is not signed
+    for this session; this client missing or listed under another identity; 2m <= n.
+    """
     keys = _step(ledger, request.session, (wire.SECAGG_KEYS,), request, "step 1 (keys)")
     secrets = _secrets(keys)
+    signed = str(keys.release["fingerprint"])
+    if request.fingerprint != signed:
+        raise sa.SecaggError(
+            f"secagg session {request.session!r}: the roster names request fingerprint {request.fingerprint[:16]}..., "
+            f"this client signed {signed[:16]}... at step 1"
+        )
     roster = sa.Roster(
-        request.run_id, request.round, request.min_clients, request.encryption_keys, request.masking_keys
+        request.run_id,
+        request.round,
+        request.min_clients,
+        request.encryption_keys,
+        request.masking_keys,
+        session=request.session,
+        fingerprint=request.fingerprint,
+        identities=request.identities,
+        commitments=request.commitments,
+        signatures=request.signatures,
     )
+    own_identity = sa.identity_public_key(identity)
+    roster.authenticate(trusted | {own_identity})
     own = roster.index_of(secrets.encryption_key, secrets.masking_key)
+    if roster.identities is None or roster.identities[own].tobytes() != own_identity:
+        raise sa.SecaggError("roster: this client's keys are listed under another identity")
     reply = wire.SecaggSharesReply(request.request_id, request.session, sa.share_ciphertexts(secrets, roster, own))
     release = {
         "kind": np.array(SHARES_KIND),
@@ -165,19 +237,53 @@ def share_keys(ledger: Ledger, request: wire.SecaggSharesRequest) -> Answer:
         "min_clients": np.array([request.min_clients]),
         "encryption_keys": np.array(request.encryption_keys),
         "masking_keys": np.array(request.masking_keys),
+        "identities": np.array(request.identities),
+        "commitments": np.array(request.commitments),
+        "signatures": np.array(request.signatures),
+    }
+    return (*reply.encode(), release)
+
+
+def check(ledger: Ledger, request: wire.SecaggCheckRequest, identity: bytes) -> Answer:
+    """The consistency check: sign (session tag, U3, U2 \\ U3) once, after this client's masked input.
+
+    Refused: no masked input from this client in this session; U3 and the dropped list not
+    disjoint, not together exactly the U2 this client masked against, U3 under m or without
+    this client. The signed sets are stored: the unmask step answers only for them.
+    """
+    session = load_session(ledger, request, request.session)
+    masked = _step(ledger, f"{request.session}|masked", wire.MESSAGE_TYPES, request, "step 3 (masked input)")
+    survivors, dropped = session.roster.check_split(
+        request.survivors, request.dropped, shared=masked.release["secagg_peers"], own=session.own
+    )
+    signature = sa.sign(identity, sa.check_message(session.roster.tag, survivors, dropped))
+    reply = wire.SecaggCheckReply(request.request_id, request.session, _u8(signature))
+    release = {
+        "kind": np.array(CHECK_KIND),
+        "round": np.array([request.round]),
+        "survivors": survivors,
+        "dropped": dropped,
     }
     return (*reply.encode(), release)
 
 
 def unmask(ledger: Ledger, request: wire.SecaggUnmaskRequest) -> Answer:
-    """Step 4: for each peer of U2, the seed share if it is in U3, else the key share (never both)."""
+    """Step 4: for each peer of U2, the seed share if it is in U3, else the key share (never both).
+
+    Answered only for the survivor and dropped sets this client signed in the consistency check,
+    and only with at least m valid signatures of survivors over exactly those sets.
+    """
     session = load_session(ledger, request, request.session)
     masked = _step(ledger, f"{request.session}|masked", wire.MESSAGE_TYPES, request, "step 3 (masked input)")
+    signed = _step(ledger, f"{request.session}|check", (wire.SECAGG_CHECK,), request, "the consistency check")
     peers = masked.release["secagg_peers"]
-    survivors = session.roster.check_peers(request.survivors, name="survivors (U3)", own=session.own)
-    outside = sorted(set(survivors.tolist()) - set(peers.tolist()))
-    if outside:
-        raise sa.SecaggError(f"survivors (U3): expected clients among U2 {peers.tolist()}, found {outside}")
+    survivors, dropped = session.roster.check_split(request.survivors, request.dropped, shared=peers, own=session.own)
+    if survivors.tolist() != signed.release["survivors"].tolist() or dropped.tolist() != signed.release["dropped"].tolist():
+        raise sa.SecaggError(
+            f"secagg session {request.session!r}: the unmask step names another survivor set than the one this "
+            "client signed"
+        )
+    session.roster.check_signatures(survivors, dropped, request.signers, request.signatures)
     opened = [
         sa.OpenedShare(
             int(src),
@@ -221,6 +327,21 @@ class MaskedContext:
         }
 
 
+def check_fingerprint(request: wire.RequestBase, roster: sa.Roster) -> None:
+    """Step 3 is answered only for the request every member of the session signed at step 1.
+
+    A coordinator that sends one client another model, other parameters or another question
+    within a session (the model-inconsistency attack, Pasquini et al., CCS 2022) is refused here.
+    """
+    assert isinstance(request, (wire.GradientRequest, wire.IndicatorRequest, wire.MonitorRequest))
+    assert request.secagg is not None
+    if wire.session_fingerprint(request, request.secagg.scale_bits) != roster.fingerprint:
+        raise sa.SecaggError(
+            f"secagg session {roster.session!r}: this request differs from the one the session's clients signed "
+            "(another model, parameters, noise, question or fixed-point scale)"
+        )
+
+
 def prepare_masked(
     ledger: Ledger,
     request: wire.RequestBase,
@@ -238,6 +359,7 @@ def prepare_masked(
     """
     session = load_session(ledger, request, secagg.session)
     roster = session.roster
+    check_fingerprint(request, roster)
     peers = roster.check_peers(secagg.peers, name="U2 (clients that shared keys)", own=session.own)
     sa.check_value_bound(secagg.value_bound, roster.size)
     opened = sa.open_ciphertexts(session.secrets, roster, session.own, peers, secagg.ciphertexts)

@@ -1,8 +1,8 @@
 """Each unit's unclipped contribution to a request, one float32 row per unit.
 
 - gradient (``record`` units): the per-record loss gradient at the broadcast parameters,
-  by ``torch.func`` (vmap over grad); (``client`` units): the gradient of the client's
-  mean loss, one row.
+  streamed by :mod:`client_agent.streaming` (norms, then the clipped sum); (``client``
+  units): the gradient of the client's mean loss, one row.
 - indicator (``record`` units): each record's 0/1 predicate value; (``client`` units):
   the client's count of records for which it holds, one row of length 1.
 """
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,32 +18,128 @@ import torch
 from numpy.typing import NDArray
 
 from client_agent.gradients import per_example_gradients, summed_gradient
+from client_agent.streaming import Contributions, RecordSource, RowContributions, StreamedGradients
 from protocol import messages as wire
-from protocol.models import build_model, load_flat_parameters, parameter_count
+from protocol.builtin_workload import BUILTIN
+from protocol.models import load_flat_parameters, parameter_count
+from protocol.workload import DataSource, QueryArgs, Workload, WorkloadError, bounded_rows, layout_fingerprint
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    """The built-in workload's loss (protocol.builtin_workload.cross_entropy)."""
+    return BUILTIN.loss(logits, targets)
 
 
-def _loaded_model(kind: str, name: str, model_args: str, parameters: NDArray[np.float32]) -> torch.nn.Module:
-    """The request's model with its parameters loaded; a name, argument or size that does not fit is malformed."""
+def _loaded_model(
+    kind: str,
+    name: str,
+    model_args: str,
+    parameters: NDArray[np.float32],
+    *,
+    workload: Workload | None = None,
+    layout: str | None = None,
+) -> torch.nn.Module:
+    """The request's model from ``workload``'s registry (default: the built-in one) with its parameters loaded.
+
+    A name the workload does not register, arguments its factory does not take, a layout other than the
+    coordinator's (``layout``, when the request carries one) or a parameter count that does not fit is
+    malformed.
+    """
+    registry = workload if workload is not None else BUILTIN
+    args = json.loads(model_args or "{}")
     try:
         with torch.device("meta"):  # count first, allocate nothing: model_args may name huge layers
-            expected = parameter_count(build_model(name, **json.loads(model_args)))
-    except (ValueError, TypeError) as exc:
+            shape = registry.build_model(name, **args)
+    except WorkloadError as exc:
         raise wire.ProtocolError(f"{kind}: model {name!r} with {model_args}: {exc}") from exc
+    if layout is not None and layout != layout_fingerprint(shape):
+        raise wire.ProtocolError(
+            f"{kind}: model {name!r}: expected the coordinator's parameter layout {layout[:16]}..., "
+            f"this client builds {layout_fingerprint(shape)[:16]}..."
+        )
+    expected = parameter_count(shape)
     if parameters.size != expected:
         raise wire.ProtocolError(
             f"{kind}: 'parameters' must hold {expected} values for model {name!r}, got {parameters.size}"
         )
-    model = build_model(name, **json.loads(model_args))
+    model = registry.build_model(name, **args)
     load_flat_parameters(model, parameters)
     return model
 
 
+def gradient_contributions(
+    request: wire.GradientRequest,
+    source: RecordSource,
+    *,
+    unit: str,
+    workload: Workload | None = None,
+    device: str = "cpu",
+) -> Contributions:
+    """The request's per-unit gradients as the release kernel uses them.
+
+    ``record`` units: :class:`client_agent.streaming.StreamedGradients` over ``source``, two passes
+    over the records, memory bounded by a chunk, never an (n, d) matrix. ``client`` units: the one
+    materialised row of :func:`gradient_rows`.
+
+    Privacy note: the null element as in :func:`gradient_rows`: a record the workload's ``valid``
+    rule rejects (a feature that is not finite, a label outside the model's classes) has zero
+    features, target 0 and weight 0 in both passes, so it contributes exactly zero and pays nothing.
+    """
+    registry = workload if workload is not None else BUILTIN
+    model = _loaded_model(
+        wire.GRADIENT,
+        request.model,
+        request.model_args,
+        request.parameters,
+        workload=registry,
+        layout=getattr(request, "layout", None),
+    )
+
+    def valid(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return registry.valid(x, y, model)
+
+    if unit != "record":
+        return RowContributions(client_gradient_row(model, registry.loss, source, valid=valid))
+    return StreamedGradients(model, registry.loss, source, valid=valid, device=device)
+
+
+def client_gradient_row(
+    model: torch.nn.Module,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    source: RecordSource,
+    *,
+    valid: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> NDArray[np.float32]:
+    """A client unit's row: the gradient of its mean loss over all its records, read batch by batch.
+
+    The workload's ``loss`` and ``valid`` rule; a record it rejects is the null element (zero
+    features, a zero target of the target's own dtype and shape, weight 0) by the same computation
+    as every other record. The sum is divided by the public record count ``len(source)``.
+    """
+    total: torch.Tensor | None = None
+    for bx, by in source.batches(_QUERY_BATCH):
+        xt = torch.as_tensor(np.ascontiguousarray(bx.numpy() if isinstance(bx, torch.Tensor) else bx))
+        yt = torch.as_tensor(np.ascontiguousarray(by.numpy() if isinstance(by, torch.Tensor) else by))
+        xt = xt.to(torch.float32)
+        if not yt.is_floating_point():
+            yt = yt.to(torch.int64)  # class labels, as the loss takes them
+        finite = torch.isfinite(xt.reshape(len(xt), -1)).all(dim=1)
+        safe_x = torch.where(finite.reshape(-1, *([1] * (xt.ndim - 1))), xt, torch.zeros((), dtype=xt.dtype))
+        usable = finite & valid(safe_x, yt).to(torch.bool)
+        weights = usable.to(torch.float32)
+        xt = torch.where(usable.reshape(-1, *([1] * (xt.ndim - 1))), xt, torch.zeros((), dtype=xt.dtype))
+        yt = torch.where(usable.reshape(-1, *([1] * (yt.ndim - 1))), yt, torch.zeros((), dtype=yt.dtype))
+        part = summed_gradient(model, loss, xt, yt, weights=weights).to(torch.float64)
+        total = part if total is None else total + part
+    assert total is not None
+    return (total / len(source)).reshape(1, -1).numpy().astype(np.float32)
+
+
 def gradient_rows(request: wire.GradientRequest, x: NDArray[Any], y: NDArray[Any], *, unit: str) -> NDArray[np.float32]:
-    """Per-unit gradients of the cross-entropy loss at the request's parameters.
+    """Per-unit gradients of the cross-entropy loss at the request's parameters, materialised (n, d).
+
+    The release path streams record units (:func:`gradient_contributions`); the (n, d) rows here
+    are the slow reference for record units and the one row of client units.
 
     Privacy note: a record the request's model cannot take (a feature that is not finite, or a
     label outside the model's classes, which the coordinator chooses) counts as the null element:
@@ -67,28 +164,54 @@ def gradient_rows(request: wire.GradientRequest, x: NDArray[Any], y: NDArray[Any
     return (total / len(labels)).reshape(1, -1).numpy().astype(np.float32)
 
 
+_QUERY_BATCH = 4096  # records per batch of an indicator query
+
+
 def indicator_rows(
-    request: wire.IndicatorRequest, x: NDArray[Any], y: NDArray[Any], *, unit: str
+    request: wire.IndicatorRequest,
+    x: NDArray[Any] | DataSource,
+    y: NDArray[Any] | None = None,
+    *,
+    unit: str,
+    workload: Workload | None = None,
 ) -> NDArray[np.float32]:
-    """Per-unit indicator of the request's predicate (closed table :data:`protocol.messages.PREDICATES`)."""
-    flat = x.reshape(len(x), -1)
-    if request.predicate in ("column", "threshold") and request.column >= flat.shape[1]:
-        raise wire.ProtocolError(
-            f"{wire.INDICATOR}: 'column' must be < {flat.shape[1]} (the client's feature count), got {request.column}"
+    """Per-unit rows of the request's query, looked up in ``workload``'s registry (default: the built-in one).
+
+    ``x`` and ``y`` are the records as arrays, or ``x`` is a data source (``y`` None), read in batches.
+    ``record`` units: one row of the query's ``dim`` per record, each within the query's declared L2
+    bound (protocol.workload.bounded_rows); ``client`` units: the sum of the client's rows, one row.
+    A name the workload does not register, or a ``column`` beyond the features, is malformed.
+    """
+    registry = workload if workload is not None else BUILTIN
+    try:
+        query = registry.query(request.predicate)
+    except WorkloadError as exc:
+        raise wire.ProtocolError(f"{wire.INDICATOR}: query {request.predicate!r}: {exc}") from exc
+    model = None
+    if query.needs_model:
+        if request.model is None or request.model_args is None or request.parameters is None:
+            raise wire.ProtocolError(f"{wire.INDICATOR}: query {request.predicate!r} needs the request's model")
+        model = _loaded_model(
+            wire.INDICATOR,
+            request.model,
+            request.model_args,
+            request.parameters,
+            workload=registry,
+            layout=request.layout,
         )
-    if request.predicate == "column":
-        hits = flat[:, request.column] != 0
-    elif request.predicate == "threshold":
-        hits = flat[:, request.column] > request.value
-    elif request.predicate == "correct":
-        assert request.model is not None and request.model_args is not None and request.parameters is not None
-        model = _loaded_model(wire.INDICATOR, request.model, request.model_args, request.parameters)
-        with torch.no_grad():
-            logits = model(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
-        hits = logits.argmax(dim=1).numpy() == np.asarray(y)
-    else:
-        hits = np.asarray(y) == request.value
-    values = hits.astype(np.float32).reshape(-1, 1)
+    args = QueryArgs(column=request.column, value=request.value, model=model)
+    batches = ((x, y),) if y is not None else x.batches(_QUERY_BATCH)  # type: ignore[union-attr]
+    parts: list[NDArray[np.float32]] = []
+    for bx, by in batches:
+        bx = bx.numpy() if isinstance(bx, torch.Tensor) else np.asarray(bx)
+        by = by.numpy() if isinstance(by, torch.Tensor) else np.asarray(by)
+        features = int(np.prod(bx.shape[1:], dtype=np.int64))
+        if query.column_bound and request.column >= features:
+            raise wire.ProtocolError(
+                f"{wire.INDICATOR}: 'column' must be < {features} (the client's feature count), got {request.column}"
+            )
+        parts.append(bounded_rows(query, query.rows(bx, by, args), len(bx)))
+    values = np.concatenate(parts) if len(parts) > 1 else parts[0]
     if unit == "record":
         return values
-    return values.sum(axis=0, keepdims=True)
+    return values.sum(axis=0, keepdims=True, dtype=np.float64).astype(np.float32)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol import messages as wire
-from protocol.models import MODELS
+from protocol.workload import BUILTIN_REF, Workload, WorkloadError, load_workload
 
 ANALYSTS = ("sweep", "refine", "cycle")  # coordinator/analysts.py:build_analyst
 
@@ -76,6 +76,18 @@ class CoordinatorConfig:
     secagg_scale_bits: int = 24
     round_timeout: float = 120.0
     enrol_timeout: float = 120.0
+    # The run's workload (protocol/workload.py), the same object the clients name in their agent TOML:
+    # the coordinator builds its model from it; requests carry only its model and query names.
+    workload: str = BUILTIN_REF
+    # Local training (gradient task, unit 'client'; DP-FedAvg, McMahan et al. 2018): each client runs
+    # local_steps steps of minibatch SGD (local_lr, batches of local_batch_size records) from the
+    # broadcast model and sends its update; the model moves by server_lr * (sum + noise) / n_public.
+    # 0 local steps: federated GD on gradients with learning_rate. local_lr and local_batch_size
+    # have no default (0: unset); each is needed with local steps and refused without them.
+    local_steps: int = 0
+    local_lr: float = 0.0
+    local_batch_size: int = 0
+    server_lr: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_nodes", "n_public", "rounds"):
@@ -94,8 +106,12 @@ class CoordinatorConfig:
         ):
             if value not in choices:
                 raise CoordinatorConfigError(f"{name}: expected one of {choices}, got {value!r}")
-        if self.task == "gradient" and self.model not in MODELS:
-            raise CoordinatorConfigError(f"model: expected one of {sorted(MODELS)}, got {self.model!r}")
+        try:
+            models = self.load_workload().models
+        except WorkloadError as exc:
+            raise CoordinatorConfigError(str(exc)) from exc
+        if self.task == "gradient" and self.model not in models:
+            raise CoordinatorConfigError(f"model: expected one of {sorted(models)}, got {self.model!r}")
         if self.task == "indicator" and self.analyst not in ANALYSTS:
             raise CoordinatorConfigError(f"analyst: expected one of {ANALYSTS}, got {self.analyst!r}")
         # Request ids are '<run_id>:<purpose>[:<step>]:r<round>' (at most 256 characters, no '|', protocol/messages.py).
@@ -156,6 +172,56 @@ class CoordinatorConfig:
             raise CoordinatorConfigError("eval_every: evaluation applies to the gradient task only")
         if self.checkpoint_every and not self.output_dir:
             raise CoordinatorConfigError("checkpoint_every: checkpoints need output_dir")
+        self._check_local_training()
+
+    def _check_local_training(self) -> None:
+        """local_steps > 0: gradient task, client units, local_lr > 0 and local_batch_size >= 1; else none set."""
+        _int_at_least("local_steps", self.local_steps, 0)
+        _int_at_least("local_batch_size", self.local_batch_size, 0)
+        for name in ("local_lr", "server_lr"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise CoordinatorConfigError(f"{name}: expected a finite number > 0, got {value!r}")
+        if self.server_lr <= 0:
+            raise CoordinatorConfigError(f"server_lr: expected a finite number > 0, got {self.server_lr!r}")
+        if not self.local_steps:
+            unused = [
+                name
+                for name, value, default in (
+                    ("local_lr", self.local_lr, 0.0),
+                    ("local_batch_size", self.local_batch_size, 0),
+                    ("server_lr", self.server_lr, 1.0),
+                )
+                if value != default
+            ]
+            if unused:
+                raise CoordinatorConfigError(
+                    f"{', '.join(unused)}: set only with local_steps >= 1 (local training); "
+                    "gradient rounds without local steps use learning_rate"
+                )
+            return
+        if self.task != "gradient" or self.unit != "client":
+            raise CoordinatorConfigError(
+                f"local_steps: local training needs the gradient task and unit 'client' (a local update mixes "
+                f"all of a client's records), got task {self.task!r} and unit {self.unit!r}"
+            )
+        if self.local_lr <= 0:
+            raise CoordinatorConfigError(
+                f"local_lr: expected a finite number > 0 with local_steps, got {self.local_lr!r}"
+            )
+        if self.local_batch_size < 1:
+            raise CoordinatorConfigError(
+                f"local_batch_size: expected an integer >= 1 with local_steps, got {self.local_batch_size!r}"
+            )
+        if max(self.local_steps, self.local_batch_size) > wire.MAX_WIRE_INT:
+            raise CoordinatorConfigError(
+                f"local_steps, local_batch_size: expected at most {wire.MAX_WIRE_INT}, "
+                f"got {self.local_steps} and {self.local_batch_size}"
+            )
+
+    def load_workload(self) -> Workload:
+        """The run's workload object (loaded once per reference)."""
+        return load_workload(self.workload)
 
     @property
     def canonical_model_args(self) -> str:

@@ -9,13 +9,25 @@ import numpy as np
 import torch
 
 from coordinator.config import CoordinatorConfig, CoordinatorConfigError
-from protocol.models import build_model, load_flat_parameters
+from protocol.models import load_flat_parameters
 
 
 def model_evaluator(cfg: CoordinatorConfig, x: np.ndarray, y: np.ndarray):  # type: ignore[no-untyped-def]
-    """A callable from flat parameters to ``{"accuracy", "loss"}`` on (x, y)."""
-    model = build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args))
+    """A callable from flat parameters to metrics on (x, y): the workload's ``evaluate(model, x, y)``, or
+    ``{"accuracy", "loss"}`` of a classifier (cross-entropy) when the workload has none."""
+    workload = cfg.load_workload()
+    model = workload.build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args))
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    if workload.evaluate is not None:
+        user_evaluate = workload.evaluate
+        yu = torch.from_numpy(np.ascontiguousarray(y))
+
+        def evaluate_with_workload(parameters: np.ndarray) -> dict[str, float]:
+            load_flat_parameters(model, parameters)
+            with torch.no_grad():
+                return {k: float(v) for k, v in user_evaluate(model, xt, yu).items()}
+
+        return evaluate_with_workload
     yt = torch.from_numpy(np.ascontiguousarray(y).astype(np.int64))
 
     def evaluate(parameters: np.ndarray) -> dict[str, float]:

@@ -3,7 +3,10 @@
 Gradient task: federated GD with filtering (FZ Alg. 3 over units). Each round broadcasts the
 model, collects each client's sum of its units' clipped gradients, adds N(0, sigma^2 I) once
 in central trust (in local trust every client did), divides by the public number of enrolled
-units n (never by a count of who is active, privacy.md §4) and takes a step.
+units n (never by a count of who is active, privacy.md §4) and takes a step. With local steps
+(client units, DP-FedAvg, McMahan et al. 2018) each client's row is its model update after local
+SGD instead of its gradient, clipped and charged the same way; the model moves by
+server_lr * (sum + noise) / n.
 
 Indicator task: adaptive sparse counting queries (FZ Thm 1.2; the Gaussian filter of FZ
 Cor. 4.7). An analyst maps past answers to the next predicate; each round releases the noisy
@@ -27,6 +30,7 @@ with fewer than m survivors releases nothing: the round takes no step and answer
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -45,7 +49,8 @@ from coordinator.secagg import SecaggRound, SecaggSettings, default_min_clients,
 from coordinator.transport import RoundReplies, Transport
 from protocol import messages as wire
 from protocol.filters import GaussianFilter, rounds_within
-from protocol.models import build_model, flatten_parameters
+from protocol.models import flatten_parameters
+from protocol.workload import layout_fingerprint
 from protocol.releases import tree_levels
 from protocol.validate import PrivacyParameterError
 
@@ -127,6 +132,8 @@ def _accepted(status: dict[str, Any]) -> dict[str, Any]:
                 raise wire.ProtocolError(f"status reply: monitor {key!r} must be an integer >= 1, got {value!r:.80}")
     if not float(ledger["delta"]) < 1:
         raise wire.ProtocolError(f"status reply: ledger 'delta' must be in (0, 1), got {ledger['delta']!r:.80}")
+    if "workload" in status:
+        _described_workload(status["workload"])
     policy = status.get("policy", {})
     if not isinstance(policy, dict):
         raise wire.ProtocolError(f"status reply: expected a 'policy' object, got {policy!r:.80}")
@@ -136,6 +143,53 @@ def _accepted(status: dict[str, Any]) -> dict[str, Any]:
             f"status reply: policy 'min_secagg_clients' must be an integer >= 2, got {floor!r:.80}"
         )
     return status
+
+
+def _described_workload(workload: Any) -> None:
+    """A status reply's workload description (name, model names, queries with dim and bound), checked."""
+    if not isinstance(workload, dict) or not isinstance(workload.get("name"), str):
+        raise wire.ProtocolError(f"status reply: expected a workload object with a 'name', got {workload!r:.80}")
+    models, queries = workload.get("models"), workload.get("queries")
+    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+        raise wire.ProtocolError(f"status reply: workload 'models' must be a list of names, got {models!r:.80}")
+    if not isinstance(queries, dict):
+        raise wire.ProtocolError(f"status reply: workload 'queries' must be an object, got {queries!r:.80}")
+    for query in queries.values():
+        dim = query.get("dim") if isinstance(query, dict) else None
+        bound = query.get("l2_bound") if isinstance(query, dict) else None
+        ok_dim = isinstance(dim, int) and not isinstance(dim, bool) and dim >= 1
+        number = isinstance(bound, (int, float)) and not isinstance(bound, bool)
+        ok_bound = number and math.isfinite(bound) and bound > 0
+        if not (ok_dim and ok_bound):
+            raise wire.ProtocolError(
+                f"status reply: a workload query must have an integer 'dim' >= 1 and a finite 'l2_bound' > 0, "
+                f"got {query!r:.80}"
+            )
+
+
+def _workload_matches(cfg: CoordinatorConfig, described: dict[str, Any]) -> list[str]:
+    """Why a client's workload cannot answer this run (its model, queries and their dims), or nothing.
+
+    The reasons quote only the coordinator's own names, never the client's text. A status without a
+    workload (an agent from before workloads) is not checked here; its per-request checks still refuse.
+    """
+    ours = cfg.load_workload()
+    why: list[str] = []
+    if cfg.task == "gradient" and cfg.model not in described["models"]:
+        why.append(f"model {cfg.model!r} asked; a client's workload does not register it")
+    needed = set()
+    if cfg.task == "indicator":
+        needed.add("column")  # the analysts' counting queries (coordinator.analysts)
+    if cfg.plateau_every:
+        needed.add("correct")
+    for name in sorted(needed):
+        theirs = described["queries"].get(name)
+        if theirs is None:
+            why.append(f"query {name!r} asked; a client's workload does not register it")
+        elif name in ours.queries and theirs["dim"] != ours.queries[name].dim:
+            dim = ours.queries[name].dim
+            why.append(f"query {name!r} of dim {dim} asked; a client's workload declares another dim")
+    return why
 
 
 def _worst_case_threshold(cfg: CoordinatorConfig, ledgers: list[dict[str, Any]]) -> float:
@@ -201,6 +255,8 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
         why = _monitor_matches(cfg, ledger["params"]["monitor"])
         if why:
             mismatches.append(why)
+        if "workload" in status:
+            mismatches.extend(_workload_matches(cfg, status["workload"]))
     if mismatches:
         raise EnrolmentError("the clients did not accept this run: " + "; ".join(sorted(set(mismatches))))
     ledgers = [s["ledger"] for s in statuses.values()]
@@ -268,6 +324,13 @@ def _secagg_settings(
     m = cfg.secagg_min_clients or default_min_clients(len(statuses))
     if m > len(statuses):
         raise EnrolmentError(f"secagg: m = {m} clients per sum asked; only {len(statuses)} clients enrolled")
+    if 2 * m <= len(statuses):
+        # The clients refuse such a roster: with 2m <= n two disjoint survivor sets could each gather
+        # m consistency signatures (protocol.secagg.Roster.authenticate).
+        raise EnrolmentError(
+            f"secagg: m = {m} clients per sum asked of {len(statuses)} enrolled; expected 2m > n (m >= "
+            f"{len(statuses) // 2 + 1})"
+        )
     floor = max(int(s.get("policy", {}).get("min_secagg_clients", 2)) for s in statuses.values())  # checked: _accepted
     if m < floor:
         raise EnrolmentError(f"the clients did not accept this run: secagg m = {m} asked; a client requires >= {floor}")
@@ -318,17 +381,25 @@ def _statement(
             f"each client added N(0, sigma^2/{m}) to its input and masked it, charging its filter at the total "
             f"noise sigma when the masked input left; the coordinator learned only sums of at least m = {m} "
             "clients' inputs (secure aggregation), so the guarantee holds whenever at least m honest clients "
-            "took part in each sum and the coordinator followed the protocol (secagg trust, honest-but-curious)"
+            "took part in each sum, even against a coordinator that deviates: the clients accept only rosters "
+            "signed by their trusted peers, answer only the request every member signed, and unmask only a "
+            "survivor set that m of them signed, with 2m > n (secagg trust, active-adversary SecAgg)"
         )
     monitor = {
         "none": "no active-set monitor ran",
         "svt": f"the sparse-vector monitor (epsilon_svt = {cfg.monitor_epsilon:g}) is included",
         "tree": "the binary-tree monitor's cost was reserved in every filter and is included",
     }[cfg.monitor]
+    local = ""
+    if cfg.task == "gradient" and cfg.local_steps:
+        local = (
+            f"; each round every client sent its model update after {cfg.local_steps} local SGD steps "
+            "(DP-FedAvg), clipped to its remaining budget and charged as one Gaussian release, as a gradient would be"
+        )
     return (
         f"{who} the {clients} enrolled clients has ({epsilon:g}, {delta:g})-differential privacy for everything "
         f"this run released, enforced by its own {'/'.join(filters)} filter on its realised spend; {where}; "
-        f"{monitor}."
+        f"{monitor}{local}."
     )
 
 
@@ -431,7 +502,9 @@ def _monitor_round(
     secagg: SecaggSettings | None = None,
 ) -> Verdict:
     def request(secagg_input: wire.SecaggInput | None = None) -> wire.MonitorRequest:
-        return wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}", cfg.run_id, rnd, cfg.trust, secagg_input)
+        # secagg: the session's node noise std, the one every client reserved (checked at enrolment)
+        noise = secagg.monitor_noise_std if secagg is not None else None
+        return wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}", cfg.run_id, rnd, cfg.trust, secagg_input, noise)
 
     if secagg is not None:
         assert isinstance(monitor, TreeMonitor)
@@ -486,7 +559,7 @@ def _secagg(
     rnd: int,
     purpose: str,
     kind: str,
-    build: Callable[[int, wire.SecaggInput], wire.Request],
+    build: Callable[[int, wire.SecaggInput | None], wire.Request],
     size: int,
     noise_std: float,
 ) -> SecaggRound:
@@ -519,7 +592,8 @@ def run(
     rng = noise_rng(cfg)
     params = np.zeros(1, dtype=np.float32)
     if cfg.task == "gradient":  # first: model_args the model does not take fail before any client is asked
-        params = flatten_parameters(build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args)))
+        model = cfg.load_workload().build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args))
+        params = flatten_parameters(model)
         params = params.astype(np.float32)
     elif analyst is None:
         analyst = build_analyst(cfg.analyst, rounds=cfg.rounds, columns=cfg.query_columns or cfg.rounds)
@@ -588,7 +662,10 @@ def run(
         )
         if cfg.task == "gradient":
             if total is not None:  # None: the secagg session released nothing, the model stays
-                step = params.astype(np.float64) - cfg.learning_rate * total / cfg.n_public
+                if cfg.local_steps:  # DP-FedAvg: the noisy sum of clipped updates, averaged by the public n
+                    step = params.astype(np.float64) + cfg.server_lr * total / cfg.n_public
+                else:
+                    step = params.astype(np.float64) - cfg.learning_rate * total / cfg.n_public
                 if np.all(np.isfinite(step)) and np.all(np.abs(step) <= np.finfo(np.float32).max):
                     params = step.astype(np.float32)
                 else:  # a reply far out of range (a faulty or hostile client); post-processing, no privacy cost
@@ -713,6 +790,21 @@ def _common(cfg: CoordinatorConfig, purpose: str, rnd: int) -> dict[str, Any]:
     }
 
 
+@functools.lru_cache(maxsize=8)
+def _layout_of(workload: str, model: str, model_args: str) -> str:
+    import torch
+
+    from protocol.workload import load_workload
+
+    with torch.device("meta"):  # shapes only
+        return layout_fingerprint(load_workload(workload).build_model(model, **json.loads(model_args)))
+
+
+def model_layout(cfg: CoordinatorConfig) -> str:
+    """The parameter layout of the run's model (protocol.workload.layout_fingerprint), sent with every model."""
+    return _layout_of(cfg.workload, cfg.model, cfg.canonical_model_args)
+
+
 def _request(
     cfg: CoordinatorConfig,
     rnd: int,
@@ -722,12 +814,21 @@ def _request(
 ) -> wire.GradientRequest | wire.IndicatorRequest:
     """The round's request: the model for a gradient round, or the analyst's counting query."""
     if cfg.task == "gradient":
+        local: dict[str, Any] = {}
+        if cfg.local_steps:
+            local = {
+                "local_steps": cfg.local_steps,
+                "local_lr": float(cfg.local_lr),
+                "local_batch_size": cfg.local_batch_size,
+            }
         return wire.GradientRequest(
             **_common(cfg, "gradient", rnd),
             model=cfg.model,
             model_args=cfg.canonical_model_args,
             parameters=params,
             secagg=secagg,
+            layout=model_layout(cfg),
+            **local,
         )
     assert query is not None
     return _indicator_request(cfg, "indicator", rnd, query, secagg=secagg)
@@ -744,7 +845,12 @@ def _indicator_request(
     """A counting query; the 'correct' predicate also carries the model it evaluates."""
     model: dict[str, Any] = {}
     if params is not None:
-        model = {"model": cfg.model, "model_args": cfg.canonical_model_args, "parameters": params}
+        model = {
+            "model": cfg.model,
+            "model_args": cfg.canonical_model_args,
+            "parameters": params,
+            "layout": model_layout(cfg),
+        }
     return wire.IndicatorRequest(
         **_common(cfg, purpose, rnd),
         predicate=query.predicate,

@@ -4,11 +4,15 @@ One release in secagg trust is one session of protocol/secagg.py over the ordina
 :class:`coordinator.transport.Transport` (one request per node per exchange, replies by
 node), so the in-process transport and Flower's grid both carry it:
 
-1. ``query.secagg_keys`` to every node: public keys and seed commitments; U1 (roster order: node id).
-2. ``query.secagg_shares`` to U1 with the roster and m: each answers sealed shares, one per roster index; U2.
+1. ``query.secagg_keys`` to every node, with the fingerprint of the step-3 request: public keys,
+   seed commitments, identities and signed advertisements; U1 (roster order: node id).
+2. ``query.secagg_shares`` to U1 with the signed roster and m: each authenticates it and answers
+   sealed shares, one per roster index; U2.
 3. the round's request (gradient, indicator or monitor) with trust 'secagg' to U2, each carrying
    the shares addressed to it: each answers its masked input; U3.
-4. ``query.secagg_unmask`` to U3 with U3: each answers one share per peer of U2; U4.
+4a. ``query.secagg_check`` to U3 with U3 and U2 \\ U3: each signs them (the consistency check); U4.
+4b. ``query.secagg_unmask`` to U4 with U3, U2 \\ U3 and the signatures of U4: each answers one
+   share per peer of U2; U5.
 
 The coordinator reconstructs the self-mask seeds of U3 and the masking keys of U2 \\ U3 and
 learns sum_{U3} (x_u + noise share) and nothing else. Any step with fewer than m clients,
@@ -18,8 +22,9 @@ charged their filters already if they sent masked inputs: an over-count, never a
 
 Privacy: the sum carries noise of variance |U3| sigma^2 / m >= sigma^2, the noise every
 client's charge assumed, provided that at least m of the summed clients are honest (their
-noise shares are unknown to the coordinator) and that the coordinator follows the protocol
-(honest-but-curious, Bonawitz et al. 2017 Thm 6.2 setting).
+noise shares are unknown to the coordinator). The clients' checks (client_agent/secagg_client.py)
+hold this against a coordinator that deviates, too (Bonawitz et al. 2017, Sec. 6.2): this
+module is the honest coordinator's side, and tests/adversarial_secagg.py the deviating one's.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from protocol import messages as wire
 from protocol import secagg as sa
 from protocol.records import Payload
 
-BuildRequest = Callable[[int, wire.SecaggInput], wire.Request]
+BuildRequest = Callable[[int, wire.SecaggInput | None], wire.Request]
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,20 @@ class SecaggRound:
 def _merge(into: RoundReplies, got: RoundReplies, prefix: str) -> None:
     for name, count in got.errors.items():
         into.errors[prefix + name] += count
+
+
+def _advert_signed(reply: wire.SecaggKeysReply, run_id: str, rnd: int, session: str, fingerprint: str) -> bool:
+    """Whether a keys reply's advertisement is signed by the identity it names, for this session."""
+    message = sa.advert_message(
+        run_id=run_id,
+        round=rnd,
+        session=session,
+        fingerprint=fingerprint,
+        encryption_key=reply.encryption_key.tobytes(),
+        masking_key=reply.masking_key.tobytes(),
+        commitment=reply.seed_commitment.tobytes(),
+    )
+    return sa.signature_valid(reply.identity.tobytes(), message, reply.signature.tobytes())
 
 
 def secagg_release(
@@ -118,8 +137,9 @@ def secagg_release(
             ok[node] = reply
         return ok
 
-    # 1. keys
-    keys_request = wire.SecaggKeysRequest(session, run_id, rnd, "secagg")
+    # 1. keys, bound to the one step-3 request every client of the session will be asked
+    fingerprint = wire.session_fingerprint(build(nodes[0], None), settings.scale_bits)
+    keys_request = wire.SecaggKeysRequest(session, run_id, rnd, "secagg", fingerprint)
     got = transport.send(wire.SECAGG_KEYS, {n: wire.encode_request(keys_request) for n in nodes}, timeout=timeout)
     _merge(out.replies, got, "secagg-keys-")
     keys: dict[int, wire.SecaggKeysReply] = decoded(
@@ -128,8 +148,16 @@ def secagg_release(
     seen = Counter(bytes(r.encryption_key) for r in keys.values()) + Counter(
         bytes(r.masking_key) for r in keys.values()
     )
-    for node in [n for n, r in keys.items() if seen[bytes(r.encryption_key)] > 1 or seen[bytes(r.masking_key)] > 1]:
-        out.replies.error("secagg-keys-duplicate")  # a public key advertised by more than one client
+    seen += Counter(bytes(r.identity) for r in keys.values())
+    for node in [
+        n
+        for n, r in keys.items()
+        if seen[bytes(r.encryption_key)] > 1 or seen[bytes(r.masking_key)] > 1 or seen[bytes(r.identity)] > 1
+    ]:
+        out.replies.error("secagg-keys-duplicate")  # a key or identity advertised by more than one client
+        del keys[node]
+    for node in [n for n, r in keys.items() if not _advert_signed(r, run_id, rnd, session, fingerprint)]:
+        out.replies.error("secagg-keys-bad-signature")  # the clients would refuse a roster holding it
         del keys[node]
     u1 = sorted(keys)
     out.counts["advertised"] = len(u1)
@@ -137,10 +165,16 @@ def secagg_release(
         return abort(f"{len(u1)} clients advertised keys, fewer than m = {m}")
     enc = np.stack([keys[n].encryption_key for n in u1])
     mask = np.stack([keys[n].masking_key for n in u1])
-    roster = sa.Roster(run_id, rnd, m, enc, mask)
+    signed = {
+        "fingerprint": fingerprint,
+        "identities": np.stack([keys[n].identity for n in u1]),
+        "commitments": np.stack([keys[n].seed_commitment for n in u1]),
+        "signatures": np.stack([keys[n].signature for n in u1]),
+    }
+    roster = sa.Roster(run_id, rnd, m, enc, mask, session=session, **signed)
 
     # 2. shares
-    shares_request = wire.SecaggSharesRequest(rid("shares"), run_id, rnd, "secagg", session, m, enc, mask)
+    shares_request = wire.SecaggSharesRequest(rid("shares"), run_id, rnd, "secagg", session, m, enc, mask, **signed)
     got = transport.send(wire.SECAGG_SHARES, {n: wire.encode_request(shares_request) for n in u1}, timeout=timeout)
     _merge(out.replies, got, "secagg-shares-")
     shares = decoded(
@@ -178,16 +212,49 @@ def secagg_release(
     if u3.size < m:
         return abort(f"{u3.size} masked inputs arrived, fewer than m = {m}")
 
-    # 4. unmask
-    unmask_request = wire.SecaggUnmaskRequest(rid("unmask"), run_id, rnd, "secagg", session, u3)
+    # 4a. consistency check: every survivor signs (U3, U2 \\ U3) as it was told them
+    dropped_arr = np.array(sorted(set(u2.tolist()) - set(u3.tolist())), dtype=np.int64)
+    check_request = wire.SecaggCheckRequest(rid("check"), run_id, rnd, "secagg", session, u3, dropped_arr)
     got = transport.send(
-        wire.SECAGG_UNMASK, {u1[i]: wire.encode_request(unmask_request) for i in u3.tolist()}, timeout=timeout
+        wire.SECAGG_CHECK, {u1[i]: wire.encode_request(check_request) for i in u3.tolist()}, timeout=timeout
+    )
+    _merge(out.replies, got, "secagg-check-")
+    checks = decoded(got, [u1[i] for i in u3.tolist()], "secagg-check-malformed-reply", wire.SecaggCheckReply.decode)
+    message = sa.check_message(roster.tag, u3, dropped_arr)
+    assert roster.identities is not None
+    signatures: dict[int, np.ndarray] = {}
+    for i in u3.tolist():
+        if u1[i] not in checks:
+            continue
+        if not sa.signature_valid(roster.identities[i].tobytes(), message, checks[u1[i]].signature.tobytes()):
+            out.replies.error("secagg-check-bad-signature")
+            continue
+        signatures[i] = checks[u1[i]].signature
+    u4 = np.array(sorted(signatures), dtype=np.int64)
+    out.counts["checked"] = int(u4.size)
+    if u4.size < m:
+        return abort(f"{u4.size} clients signed the survivor set, fewer than m = {m}")
+
+    # 4b. unmask
+    unmask_request = wire.SecaggUnmaskRequest(
+        rid("unmask"),
+        run_id,
+        rnd,
+        "secagg",
+        session,
+        u3,
+        dropped_arr,
+        u4,
+        np.stack([signatures[i] for i in u4.tolist()]),
+    )
+    got = transport.send(
+        wire.SECAGG_UNMASK, {u1[i]: wire.encode_request(unmask_request) for i in u4.tolist()}, timeout=timeout
     )
     _merge(out.replies, got, "secagg-unmask-")
-    answers = decoded(got, [u1[i] for i in u3.tolist()], "secagg-unmask-malformed-reply", wire.SecaggUnmaskReply.decode)
-    dropped = sorted(set(u2.tolist()) - set(u3.tolist()))
+    answers = decoded(got, [u1[i] for i in u4.tolist()], "secagg-unmask-malformed-reply", wire.SecaggUnmaskReply.decode)
+    dropped = dropped_arr.tolist()
     revealed: dict[int, sa.Revealed] = {}
-    for i in u3.tolist():
+    for i in u4.tolist():
         if u1[i] not in answers:
             continue
         r = answers[u1[i]].revealed

@@ -20,7 +20,7 @@ import json
 import math
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -35,12 +35,14 @@ GRADIENT = "train.gradient"
 INDICATOR = "query.indicator"
 MONITOR = "query.monitor"
 STATUS = "query.status"
-# Secure aggregation (``secagg`` trust, protocol/secagg.py): the session's steps 1, 2 and 4; step 3, the
-# masked input, is a GRADIENT, INDICATOR or MONITOR request with trust 'secagg' and a SecaggInput.
+# Secure aggregation (``secagg`` trust, protocol/secagg.py): the session's steps 1, 2, the consistency
+# check and 4; step 3, the masked input, is a GRADIENT, INDICATOR or MONITOR request with trust
+# 'secagg' and a SecaggInput.
 SECAGG_KEYS = "query.secagg_keys"
 SECAGG_SHARES = "query.secagg_shares"
+SECAGG_CHECK = "query.secagg_check"
 SECAGG_UNMASK = "query.secagg_unmask"
-SECAGG_STEPS: tuple[str, ...] = (SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNMASK)
+SECAGG_STEPS: tuple[str, ...] = (SECAGG_KEYS, SECAGG_SHARES, SECAGG_CHECK, SECAGG_UNMASK)
 MESSAGE_TYPES: tuple[str, ...] = (GRADIENT, INDICATOR, MONITOR, STATUS, *SECAGG_STEPS)
 
 # local: each client adds N(0, sigma^2); central: the trusted coordinator adds it once; secagg: each
@@ -48,13 +50,17 @@ MESSAGE_TYPES: tuple[str, ...] = (GRADIENT, INDICATOR, MONITOR, STATUS, *SECAGG_
 TRUST_MODES: tuple[str, ...] = ("local", "central", "secagg")
 UNITS: tuple[str, ...] = ("client", "record")
 
-# Predicates an indicator query may name, evaluated on the client's records:
+# An indicator query names a query of the client's workload (protocol/workload.py): any name of
+# letters, digits, '_', '.', '-' decodes; a name the client's workload does not register is refused
+# by the agent (malformed). The built-in workload's queries (protocol/builtin_workload.py):
 #   column     indicator = X[:, column] != 0            (sparse counting queries, FZ Thm 1.2)
 #   label      indicator = y == value
 #   threshold  indicator = X[:, column] > value
 #   correct    indicator = the request's model classifies the record correctly (training accuracy,
 #              for a private plateau test; the request then carries model, model_args, parameters)
 PREDICATES: tuple[str, ...] = ("column", "label", "threshold", "correct")
+# A model's parameter layout (protocol.workload.layout_fingerprint): SHA-256 hex of its (name, shape, dtype) list.
+LAYOUT_HEX = 64
 
 # Error codes of typed Error replies (Flower ``Error(code, reason)``).
 ERR_MALFORMED = 4001  # the request does not decode
@@ -261,6 +267,17 @@ class GradientRequest(RequestBase):
     model_args: str  # canonical JSON of the model's constructor arguments
     parameters: NDArray[np.float32] = field(repr=False)
     secagg: SecaggInput | None = field(default=None, repr=False)  # trust 'secagg' only
+    # Local training (``client`` units only; DP-FedAvg, McMahan et al. 2018): with local_steps > 0
+    # the client's one row is its update theta_local - parameters after local_steps steps of
+    # minibatch SGD (learning rate local_lr, batches of local_batch_size records), released and
+    # charged exactly like a client-unit gradient row. 0 (the default) is a gradient request;
+    # the three keys are on the wire only when local_steps > 0, so older messages decode unchanged.
+    local_steps: int = 0
+    local_lr: float | None = None
+    local_batch_size: int | None = None
+    # The coordinator's parameter layout of ``model`` (protocol.workload.layout_fingerprint); the
+    # client refuses the request when its own build of the named model has another. Optional on the wire.
+    layout: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -278,29 +295,42 @@ class IndicatorRequest(RequestBase):
     predicate: str
     column: int
     value: float
-    model: str | None = None  # predicate 'correct' only
+    model: str | None = None  # queries that need a model only (e.g. 'correct')
     model_args: str | None = None
     parameters: NDArray[np.float32] | None = field(default=None, repr=False)
     secagg: SecaggInput | None = field(default=None, repr=False)  # trust 'secagg' only
+    layout: str | None = None  # with a model: its parameter layout, as in GradientRequest
 
 
 @dataclass(frozen=True, eq=False)
 class MonitorRequest(RequestBase):
-    """The active-set monitor's per-round report (privacy.md §7); its cost is reserved at enrolment."""
+    """The active-set monitor's per-round report (privacy.md §7); its cost is reserved at enrolment.
+
+    ``noise_std`` (secagg trust only, and required there): the node noise std sigma_m of the
+    session. Each client adds N(0, noise_std^2 / m) and refuses a value below the one it reserved;
+    the fingerprint makes it one value for the whole session, so a sum of m reports carries at
+    least every member's reserved node noise.
+    """
 
     trust: str
     secagg: SecaggInput | None = field(default=None, repr=False)  # trust 'secagg' only
+    noise_std: float | None = None  # trust 'secagg' only
 
 
 @dataclass(frozen=True, eq=False)
 class SecaggKeysRequest(RequestBase):
     """Secure aggregation step 1: open a session with fresh keys; this request's id names the session.
 
-    Privacy: the reply holds two public keys and a commitment to the self-mask seed, drawn
-    before and independently of any data.
+    ``fingerprint`` is the :func:`session_fingerprint` of the step-3 request the session will sum:
+    each client signs it with its advertisement and answers step 3 only for a request with that
+    fingerprint, so a coordinator cannot send one client another model within a session.
+
+    Privacy: the reply holds two public keys, a commitment to the self-mask seed and a signature,
+    drawn before and independently of any data.
     """
 
     trust: str
+    fingerprint: str
 
 
 @dataclass(frozen=True, eq=False)
@@ -312,15 +342,43 @@ class SecaggSharesRequest(RequestBase):
     min_clients: int
     encryption_keys: NDArray[np.uint8] = field(repr=False)
     masking_keys: NDArray[np.uint8] = field(repr=False)
+    fingerprint: str = ""
+    identities: NDArray[np.uint8] = field(default_factory=lambda: np.zeros((0, sa.KEY_BYTES), np.uint8), repr=False)
+    commitments: NDArray[np.uint8] = field(default_factory=lambda: np.zeros((0, sa.KEY_BYTES), np.uint8), repr=False)
+    signatures: NDArray[np.uint8] = field(
+        default_factory=lambda: np.zeros((0, sa.SIGNATURE_BYTES), np.uint8), repr=False
+    )
 
 
 @dataclass(frozen=True, eq=False)
-class SecaggUnmaskRequest(RequestBase):
-    """Secure aggregation step 4: U3, the clients whose masked inputs arrived; reply: one share per peer of U2."""
+class SecaggCheckRequest(RequestBase):
+    """Secure aggregation consistency check: U3 and U2 \\ U3; reply: this client's signature over them.
+
+    Each client signs one survivor set per session, ever (Bonawitz et al. 2017, Fig. 4, round 3
+    of the malicious variant).
+    """
 
     trust: str
     session: str
     survivors: NDArray[np.int64] = field(repr=False)
+    dropped: NDArray[np.int64] = field(repr=False)
+
+
+@dataclass(frozen=True, eq=False)
+class SecaggUnmaskRequest(RequestBase):
+    """Secure aggregation step 4: U3, U2 \\ U3 and at least m survivors' signatures over them.
+
+    Reply: one share per peer of U2 (the self-mask seed's for U3, the masking key's for the dropped).
+    """
+
+    trust: str
+    session: str
+    survivors: NDArray[np.int64] = field(repr=False)
+    dropped: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    signers: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    signatures: NDArray[np.uint8] = field(
+        default_factory=lambda: np.zeros((0, sa.SIGNATURE_BYTES), np.uint8), repr=False
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -335,14 +393,16 @@ Request = (
     | StatusRequest
     | SecaggKeysRequest
     | SecaggSharesRequest
+    | SecaggCheckRequest
     | SecaggUnmaskRequest
 )
-SecaggStepRequest = SecaggKeysRequest | SecaggSharesRequest | SecaggUnmaskRequest
+SecaggStepRequest = SecaggKeysRequest | SecaggSharesRequest | SecaggCheckRequest | SecaggUnmaskRequest
 
 _BASE_KEYS = {"request_id", "run_id", "round"}
 _GRADIENT_KEYS = _BASE_KEYS | {"noise_std", "l2_clip", "trust", "unit", "model", "model_args"}
+_LOCAL_TRAINING_KEYS = {"local_steps", "local_lr", "local_batch_size"}
 _INDICATOR_KEYS = _BASE_KEYS | {"noise_std", "l2_clip", "trust", "unit", "predicate", "column", "value"}
-_MODEL_KEYS = {"model", "model_args"}
+_MODEL_KEYS = {"model", "model_args", "layout"}
 _MONITOR_KEYS = _BASE_KEYS | {"trust"}
 _SECAGG_INPUT_KEYS = {"secagg_session", "secagg_scale_bits", "secagg_value_bound"}
 _SECAGG_INPUT_ARRAYS = {"secagg_peers", "secagg_ciphertexts"}
@@ -376,24 +436,29 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
     extra_keys, extra_arrays = (_SECAGG_INPUT_KEYS, _SECAGG_INPUT_ARRAYS) if secagg else (set(), set())
     masked: dict[str, Any] = {"secagg": _secagg_input(config, arrays, kind)} if secagg else {}
     if message_type == GRADIENT:
-        _no_extra(config, arrays, kind, _GRADIENT_KEYS | extra_keys, {"parameters"} | extra_arrays)
+        keys = _GRADIENT_KEYS | _LOCAL_TRAINING_KEYS | {"layout"} | extra_keys
+        _no_extra(config, arrays, kind, keys, {"parameters"} | extra_arrays)
+        unit = _str(config, "unit", kind, choices=UNITS)
         return GradientRequest(
             **_base(config, kind),
             **_noise_and_clip(config, kind),
             trust=_str(config, "trust", kind, choices=TRUST_MODES),
-            unit=_str(config, "unit", kind, choices=UNITS),
+            unit=unit,
             model=_str(config, "model", kind),
             model_args=_model_args(config, kind),
             parameters=_flat_finite(arrays, "parameters", kind, max_size=WIRE_MAX_VALUES),
             **masked,
+            **_local_training(config, kind, unit),
+            **_layout(config, kind),
         )
     if message_type == INDICATOR:
-        if config.get("predicate") == "correct":
+        if "model" in config or "parameters" in arrays:  # a query that needs a model carries all of it
             _no_extra(config, arrays, kind, _INDICATOR_KEYS | _MODEL_KEYS | extra_keys, {"parameters"} | extra_arrays)
             model: dict[str, Any] = {
                 "model": _str(config, "model", kind),
                 "model_args": _model_args(config, kind),
                 "parameters": _flat_finite(arrays, "parameters", kind, max_size=WIRE_MAX_VALUES),
+                **_layout(config, kind),
             }
         else:
             _no_extra(config, arrays, kind, _INDICATOR_KEYS | extra_keys, extra_arrays)
@@ -403,15 +468,18 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
             **_noise_and_clip(config, kind),
             trust=_str(config, "trust", kind, choices=TRUST_MODES),
             unit=_str(config, "unit", kind, choices=UNITS),
-            predicate=_str(config, "predicate", kind, choices=PREDICATES),
+            predicate=_name(config, "predicate", kind),
             column=_int(config, "column", kind, minimum=0),
             value=_real(config, "value", kind),
             **model,
             **masked,
         )
     if message_type == MONITOR:
-        _no_extra(config, arrays, kind, _MONITOR_KEYS | extra_keys, extra_arrays)
-        return MonitorRequest(**_base(config, kind), trust=_str(config, "trust", kind, choices=TRUST_MODES), **masked)
+        noise = {"noise_std": _positive(config, "noise_std", kind)} if secagg else {}
+        _no_extra(config, arrays, kind, _MONITOR_KEYS | extra_keys | set(noise), extra_arrays)
+        return MonitorRequest(
+            **_base(config, kind), trust=_str(config, "trust", kind, choices=TRUST_MODES), **masked, **noise
+        )
     _no_extra(config, arrays, kind, _BASE_KEYS, set())
     return StatusRequest(**_base(config, kind))
 
@@ -461,26 +529,112 @@ def _secagg_input(config: Mapping[str, Any], arrays: Mapping[str, Any], kind: st
 def _decode_secagg_step(message_type: str, config: Mapping[str, Any], arrays: Mapping[str, Any]) -> Request:
     kind = message_type
     if message_type == SECAGG_KEYS:
-        _no_extra(config, arrays, kind, _BASE_KEYS | {"trust"}, set())
-        return SecaggKeysRequest(**_base(config, kind), trust=_str(config, "trust", kind, choices=_SECAGG_TRUST))
+        _no_extra(config, arrays, kind, _BASE_KEYS | {"trust", "fingerprint"}, set())
+        return SecaggKeysRequest(
+            **_base(config, kind),
+            trust=_str(config, "trust", kind, choices=_SECAGG_TRUST),
+            fingerprint=_fingerprint(config, kind),
+        )
     common: dict[str, Any] = {
         "trust": _str(config, "trust", kind, choices=_SECAGG_TRUST),
         "session": _id(config, "session", kind),
     }
     if message_type == SECAGG_SHARES:
         _no_extra(
-            config, arrays, kind, _BASE_KEYS | {"trust", "session", "min_clients"}, {"encryption_keys", "masking_keys"}
+            config,
+            arrays,
+            kind,
+            _BASE_KEYS | {"trust", "session", "min_clients", "fingerprint"},
+            {"encryption_keys", "masking_keys", "identities", "commitments", "signatures"},
         )
         enc = _uint8_table(arrays, "encryption_keys", kind, rows=None, width=sa.KEY_BYTES)
+        n = enc.shape[0]
         return SecaggSharesRequest(
             **_base(config, kind),
             **common,
             min_clients=_int(config, "min_clients", kind, minimum=sa.MIN_CLIENTS),
             encryption_keys=enc,
-            masking_keys=_uint8_table(arrays, "masking_keys", kind, rows=enc.shape[0], width=sa.KEY_BYTES),
+            masking_keys=_uint8_table(arrays, "masking_keys", kind, rows=n, width=sa.KEY_BYTES),
+            fingerprint=_fingerprint(config, kind),
+            identities=_uint8_table(arrays, "identities", kind, rows=n, width=sa.KEY_BYTES),
+            commitments=_uint8_table(arrays, "commitments", kind, rows=n, width=sa.KEY_BYTES),
+            signatures=_uint8_table(arrays, "signatures", kind, rows=n, width=sa.SIGNATURE_BYTES),
         )
-    _no_extra(config, arrays, kind, _BASE_KEYS | {"trust", "session"}, {"survivors"})
-    return SecaggUnmaskRequest(**_base(config, kind), **common, survivors=_index_list(arrays, "survivors", kind))
+    if message_type == SECAGG_CHECK:
+        _no_extra(config, arrays, kind, _BASE_KEYS | {"trust", "session"}, {"survivors", "dropped"})
+        return SecaggCheckRequest(
+            **_base(config, kind),
+            **common,
+            survivors=_index_list(arrays, "survivors", kind),
+            dropped=_index_list(arrays, "dropped", kind),
+        )
+    _no_extra(
+        config, arrays, kind, _BASE_KEYS | {"trust", "session"}, {"survivors", "dropped", "signers", "signatures"}
+    )
+    signers = _index_list(arrays, "signers", kind)
+    return SecaggUnmaskRequest(
+        **_base(config, kind),
+        **common,
+        survivors=_index_list(arrays, "survivors", kind),
+        dropped=_index_list(arrays, "dropped", kind),
+        signers=signers,
+        signatures=_uint8_table(arrays, "signatures", kind, rows=signers.size, width=sa.SIGNATURE_BYTES),
+    )
+
+
+def _fingerprint(config: Mapping[str, Any], kind: str) -> str:
+    """A request fingerprint: 64 lowercase hex characters (SHA-256)."""
+    value = _str(config, "fingerprint", kind)
+    if len(value) != sa.FINGERPRINT_CHARS or any(c not in "0123456789abcdef" for c in value):
+        raise ProtocolError(f"{kind}: 'fingerprint' must be 64 lowercase hex characters (SHA-256), got {value!r:.80}")
+    return value
+
+
+def _local_training(config: Mapping[str, Any], kind: str, unit: str) -> dict[str, Any]:
+    """A gradient request's local-training fields: none of them, or all three with local_steps >= 1.
+
+    The wire form is canonical: local_steps = 0 is written by leaving the three keys out, so a
+    request has one encoding (its digest is the replay key, privacy.md §9).
+    """
+    present = sorted(_LOCAL_TRAINING_KEYS & set(config))
+    if not present:
+        return {}
+    if "local_steps" not in config:
+        raise ProtocolError(f"{kind}: {present} given without 'local_steps'; expected all three keys or none")
+    steps = _int(config, "local_steps", kind, minimum=1)
+    if unit != "client":
+        raise ProtocolError(
+            f"{kind}: 'local_steps' {steps} asked with unit {unit!r}; per-record units cannot train locally "
+            "(a local update mixes every record of the client: use unit 'client')"
+        )
+    return {
+        "local_steps": steps,
+        "local_lr": _positive(config, "local_lr", kind),
+        "local_batch_size": _int(config, "local_batch_size", kind, minimum=1),
+    }
+
+
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+def _name(config: Mapping[str, Any], key: str, kind: str) -> str:
+    """A registry name (a model or query of the client's workload): looked up by the client, never imported."""
+    value = _str(config, key, kind)
+    if len(value) > 64 or not set(value) <= _NAME_CHARS:
+        raise ProtocolError(
+            f"{kind}: {key!r} must be a name of at most 64 letters, digits, '_', '.', '-', got {value[:80]!r}"
+        )
+    return value
+
+
+def _layout(config: Mapping[str, Any], kind: str) -> dict[str, str]:
+    """The optional ``layout`` key: 64 lowercase hex digits (a SHA-256), or nothing."""
+    if "layout" not in config:
+        return {}
+    value = _str(config, "layout", kind)
+    if len(value) != LAYOUT_HEX or not set(value) <= set("0123456789abcdef"):
+        raise ProtocolError(f"{kind}: 'layout' must be {LAYOUT_HEX} lowercase hex digits (SHA-256), got {value[:80]!r}")
+    return {"layout": value}
 
 
 def _model_args(config: Mapping[str, Any], kind: str) -> str:
@@ -504,6 +658,7 @@ def message_type_of(request: Request) -> str:
         StatusRequest: STATUS,
         SecaggKeysRequest: SECAGG_KEYS,
         SecaggSharesRequest: SECAGG_SHARES,
+        SecaggCheckRequest: SECAGG_CHECK,
         SecaggUnmaskRequest: SECAGG_UNMASK,
     }
     return table[type(request)]
@@ -515,7 +670,7 @@ def encode_request(request: Request) -> tuple[dict[str, Any], dict[str, NDArray[
     arrays: dict[str, NDArray[Any]] = {}
     for f in fields(request):
         value = getattr(request, f.name)
-        if value is None:
+        if value is None or (f.name == "local_steps" and value == 0):  # 0: a plain gradient request
             continue
         if isinstance(value, SecaggInput):
             config.update(
@@ -527,6 +682,21 @@ def encode_request(request: Request) -> tuple[dict[str, Any], dict[str, NDArray[
         else:
             config[f.name] = value
     return config, arrays
+
+
+def session_fingerprint(request: Request, scale_bits: int) -> str:
+    """SHA-256 of a step-3 request's content apart from its id and its per-client U2 and shares.
+
+    Every client of a secagg session must be asked the same question (the same model and
+    parameters, noise, clip, predicate) at the same fixed-point scale: the keys request carries
+    this fingerprint, each client signs it, and each answers step 3 only for a request that has
+    it. Another model for one client is the model-inconsistency attack (Pasquini et al., CCS
+    2022); another scale for one client would shrink every other input in the decoded sum by
+    2^(k - k') and leave that client's input with only its own noise share.
+    """
+    config, arrays = encode_request(replace(request, request_id="-", secagg=None))
+    config["secagg_scale_bits"] = scale_bits
+    return request_digest(message_type_of(request), config, arrays)
 
 
 def request_digest(message_type: str, config: Mapping[str, Any], arrays: Mapping[str, NDArray[Any]]) -> str:
@@ -648,6 +818,8 @@ class SecaggKeysReply:
     encryption_key: NDArray[np.uint8] = field(repr=False)
     masking_key: NDArray[np.uint8] = field(repr=False)
     seed_commitment: NDArray[np.uint8] = field(repr=False)
+    identity: NDArray[np.uint8] = field(repr=False)  # the client's long-term Ed25519 key
+    signature: NDArray[np.uint8] = field(repr=False)  # over protocol.secagg.advert_message
 
     def encode(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
         return (
@@ -656,18 +828,50 @@ class SecaggKeysReply:
                 "encryption_key": self.encryption_key,
                 "masking_key": self.masking_key,
                 "seed_commitment": self.seed_commitment,
+                "identity": self.identity,
+                "signature": self.signature,
             },
         )
 
     @classmethod
     def decode(cls, config: Mapping[str, Any], arrays: Mapping[str, Any]) -> SecaggKeysReply:
         kind = "secagg keys reply"
-        names = {"encryption_key", "masking_key", "seed_commitment"}
-        _no_extra(config, arrays, kind, {"request_id", "session"}, names)
+        names = {"encryption_key", "masking_key", "seed_commitment", "identity"}
+        _no_extra(config, arrays, kind, {"request_id", "session"}, names | {"signature"})
         return cls(
             request_id=_str(config, "request_id", kind),
             session=_str(config, "session", kind),
             **{name: _key_bytes(arrays, name, kind) for name in sorted(names)},
+            signature=_signature(arrays, "signature", kind),
+        )
+
+
+def _signature(arrays: Mapping[str, Any], key: str, kind: str) -> NDArray[np.uint8]:
+    arr = arrays.get(key)
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.shape != (sa.SIGNATURE_BYTES,):
+        raise ProtocolError(f"{kind}: array {key!r} must be uint8[{sa.SIGNATURE_BYTES}], got {sa.found_array(arr)}")
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class SecaggCheckReply:
+    """The consistency check's answer: this client's signature over (session tag, U3, U2 \\ U3)."""
+
+    request_id: str
+    session: str
+    signature: NDArray[np.uint8] = field(repr=False)
+
+    def encode(self) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+        return {"request_id": self.request_id, "session": self.session}, {"signature": self.signature}
+
+    @classmethod
+    def decode(cls, config: Mapping[str, Any], arrays: Mapping[str, Any]) -> SecaggCheckReply:
+        kind = "secagg check reply"
+        _no_extra(config, arrays, kind, {"request_id", "session"}, {"signature"})
+        return cls(
+            request_id=_str(config, "request_id", kind),
+            session=_str(config, "session", kind),
+            signature=_signature(arrays, "signature", kind),
         )
 
 

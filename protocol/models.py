@@ -2,7 +2,8 @@
 
 The flat layout (``model.parameters()`` order, each tensor flattened row-major, float32) is part
 of the wire contract: the coordinator sends it, clients load it and return gradients in it.
-Models are looked up in the closed table :data:`MODELS`, never by a name taken from data.
+Models are looked up in a workload's registry (:mod:`protocol.workload`; the built-ins of
+:data:`MODELS` are :mod:`protocol.builtin_workload`), never imported by a name taken from data.
 """
 
 from __future__ import annotations
@@ -65,14 +66,26 @@ MODELS: Mapping[str, Callable[..., nn.Module]] = MappingProxyType(
 
 
 def build_model(name: str, *, seed: int | torch.Generator = 0, **params: object) -> nn.Module:
-    """Build model ``name`` from :data:`MODELS` with PyTorch's default init drawn from ``seed``.
+    """Build model ``name`` of the built-in workload (:mod:`protocol.builtin_workload`), init drawn from ``seed``.
+
+    The built-ins go through the same registry as any user's workload; see :func:`build_with`.
+    """
+    from protocol.builtin_workload import BUILTIN
+
+    if name not in BUILTIN.models:
+        raise ValueError(f"model: expected one of {sorted(BUILTIN.models)}, got {name!r}")
+    return build_with(BUILTIN.models[name], name, seed=seed, **params)
+
+
+def build_with(
+    builder: Callable[..., nn.Module], name: str, *, seed: int | torch.Generator = 0, **params: object
+) -> nn.Module:
+    """``builder(**params)`` with PyTorch's default init drawn from ``seed``; errors name what was expected.
 
     The global torch RNG is left untouched; the same ``name``, ``params`` and seed give the same
-    parameters. A ``torch.Generator`` is consumed for one 63-bit seed.
+    parameters. A ``torch.Generator`` is consumed for one 63-bit seed. Arguments the factory does
+    not take, a factory that raises, or one that returns no ``nn.Module`` is a ValueError.
     """
-    if name not in MODELS:
-        raise ValueError(f"model: expected one of {sorted(MODELS)}, got {name!r}")
-    builder = MODELS[name]
     try:
         inspect.signature(builder).bind(**params)
     except TypeError as exc:
@@ -84,7 +97,14 @@ def build_model(name: str, *, seed: int | torch.Generator = 0, **params: object)
         raise ValueError(f"seed: expected an int or torch.Generator, got {seed!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return builder(**params)
+        try:
+            model = builder(**params)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise ValueError(f"model {name!r}: the factory failed with {params}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        found = type(model).__name__
+        raise ValueError(f"model {name!r}: expected the factory to return a torch.nn.Module, got {found}")
+    return model
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -1,26 +1,35 @@
 """Secure aggregation with distributed Gaussian noise: the pure cryptographic core of ``secagg`` trust.
 
 The protocol is SecAgg (Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving
-Machine Learning", CCS 2017, Fig. 4, honest-but-curious server) with the key agreement,
+Machine Learning", CCS 2017, Fig. 4) in its active-adversary form (Sec. 6.2: signed
+advertisements under a PKI, a consistency check of the survivor set), with the key agreement,
 key derivation and stream cipher of SecAgg+ (Bell et al., "Secure Single-Server Aggregation
-with (Poly)Logarithmic Overhead", CCS 2020): X25519, HKDF-SHA256, ChaCha20. One *session*
-is one masked sum over the clients of a round:
+with (Poly)Logarithmic Overhead", CCS 2020): X25519, HKDF-SHA256, ChaCha20; signatures are
+Ed25519. One *session* is one masked sum over the clients of a round:
 
 1. advertise: client u draws two X25519 key pairs (c_u for encrypting shares, s_u for
-   pairwise masks) and a self-mask seed b_u; it sends the public keys and SHA-256(b_u).
-2. share keys: given the roster U1 (every advertised key pair, index i = position), u
+   pairwise masks) and a self-mask seed b_u; it sends the public keys and SHA-256(b_u),
+   signed with its long-term identity key together with the run, round, session id and the
+   fingerprint of the step-3 request (:func:`advert_message`).
+2. share keys: given the roster U1 (every advertised key pair, index i = position), u checks
+   it (:meth:`Roster.authenticate`: trusted identities, valid signatures, 2m > n), then
    Shamir-shares b_u and the secret of s_u with threshold m among |U1| (x = index + 1) and
    sends peer v its two shares, encrypted with ChaCha20-Poly1305 under a key derived from
    X25519(c_u, c_v) and bound to the session tag and the ordered pair (u, v).
 3. masked input: given U2 (those who shared) and the ciphertexts addressed to u, u sends
    y_u = x_u + PRG(b_u) + sum_{v in U2, v != u} sign(u, v) PRG(s_uv)  (mod 2^64),
    sign = +1 when u < v, -1 otherwise, s_uv = HKDF(X25519(s_u, s_v)); pairwise masks of
-   two survivors cancel in the sum.
-4. unmask: given U3 (those whose masked input arrived, |U3| >= m), u reveals, for each v in
-   U2, its share of b_v if v is in U3 and its share of s_v's secret otherwise, never both
-   (the caller keeps that rule across crashes: one unmask answer per session). The server
+   two survivors cancel in the sum. Only for the request whose fingerprint it signed.
+3b. consistency check: given U3 and U2 \\ U3 (disjoint, together its U2, |U3| >= m), u signs
+   them (:func:`check_message`), once per session.
+4. unmask: given U3, U2 \\ U3 and at least m survivors' signatures over them
+   (:meth:`Roster.check_signatures`), u reveals, for each v in U2, its share of b_v if v is
+   in U3 and its share of s_v's secret otherwise, never both (the caller keeps that rule
+   across crashes: one unmask answer per session, for the set it signed). The server
    reconstructs, removes the self masks of U3 and the pairwise masks between U3 and U2 \\ U3,
-   and learns sum_{u in U3} x_u and nothing else.
+   and learns sum_{u in U3} x_u and nothing else. Each honest client signs one set and
+   2m > n, so no two survivor sets gather m signatures each: no peer's two secrets are
+   ever both revealed.
 
 Distributed noise: each client adds its share N(0, sigma^2 / m) (rounded to the fixed-point
 grid) to its input, so a sum over at least m clients carries Gaussian noise of variance at
@@ -58,12 +67,13 @@ import hashlib
 import math
 import secrets
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
@@ -74,12 +84,14 @@ from flwr.common.secure_aggregation.secaggplus_utils import (
 )
 from numpy.typing import NDArray
 
-PROTOCOL_VERSION = b"fedfilter-secagg-v1"
+PROTOCOL_VERSION = b"fedfilter-secagg-v2"
 KEY_BYTES = 32  # X25519 keys, seeds, session tags
 FIELD_PRIME = (1 << 521) - 1  # Mersenne prime M521: every 32-byte secret is one field element
 SHARE_BYTES = 66  # a field element, little endian
 NONCE_BYTES = 12
 TAG_BYTES = 16
+SIGNATURE_BYTES = 64  # Ed25519
+FINGERPRINT_CHARS = 64  # a request fingerprint: SHA-256, hex
 PLAINTEXT_BYTES = 8 + 8 + 4 + 2 * SHARE_BYTES  # share_keys_plaintext_concat layout
 CIPHERTEXT_BYTES = NONCE_BYTES + PLAINTEXT_BYTES + TAG_BYTES
 RING_BITS = 64
@@ -306,15 +318,113 @@ def expand_mask(seed: bytes, dim: int) -> NDArray[np.uint64]:
 
 
 def session_tag(
-    *, run_id: str, round: int, threshold: int, encryption_keys: NDArray[np.uint8], masking_keys: NDArray[np.uint8]
+    *,
+    run_id: str,
+    round: int,
+    threshold: int,
+    encryption_keys: NDArray[np.uint8],
+    masking_keys: NDArray[np.uint8],
+    session: str = "",
+    fingerprint: str = "",
+    identities: NDArray[np.uint8] | None = None,
+    commitments: NDArray[np.uint8] | None = None,
 ) -> bytes:
-    """SHA-256 of everything that defines a session: run, round, threshold and the roster's public keys."""
+    """SHA-256 of everything that defines a session: run, round, session id, the step-3 request's
+    fingerprint, threshold, and the roster's public keys, identities and seed commitments."""
     h = hashlib.sha256(PROTOCOL_VERSION + b"|session|")
-    run = run_id.encode()
-    h.update(struct.pack("<I", len(run)) + run + struct.pack("<qII", round, threshold, len(encryption_keys)))
+    h.update(_framed(run_id.encode(), struct.pack("<qI", round, threshold), session.encode(), fingerprint.encode()))
+    h.update(struct.pack("<I", len(encryption_keys)))
     h.update(np.ascontiguousarray(encryption_keys, dtype=np.uint8).tobytes())
     h.update(np.ascontiguousarray(masking_keys, dtype=np.uint8).tobytes())
+    for table in (identities, commitments):
+        h.update(b"|" if table is None else b"+" + np.ascontiguousarray(table, dtype=np.uint8).tobytes())
     return h.digest()
+
+
+# --- identities and signatures (the active-adversary variant) --------------------------------
+#
+# Bonawitz et al. 2017, Sec. 6.2 and Fig. 4 ("malicious" rounds): every client holds a long-term
+# signing key whose public half its peers know from outside the coordinator (here: the data
+# owner's `secagg-peers` file). It signs its key advertisement, bound to the session and to the
+# fingerprint of the request whose inputs the session sums, and, before the unmask step, the
+# survivor set it was told (the consistency check). A coordinator can then neither invent nor
+# substitute roster members, nor show two clients two survivor sets that both gather m
+# signatures (each honest client signs one set per session, and 2m > n).
+
+
+def _framed(*parts: bytes) -> bytes:
+    """Length-prefixed concatenation: no two different part lists frame to the same bytes."""
+    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+
+
+def new_identity() -> bytes:
+    """A fresh Ed25519 signing key (raw 32-byte secret) from the OS CSPRNG."""
+    return Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
+
+
+def identity_public_key(secret: bytes) -> bytes:
+    """The Ed25519 public key (32 bytes) of a raw identity secret."""
+    key = Ed25519PrivateKey.from_private_bytes(_bytes32("identity key", secret))
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def sign(secret: bytes, message: bytes) -> bytes:
+    """Ed25519 signature (64 bytes) of ``message`` under the identity secret."""
+    return Ed25519PrivateKey.from_private_bytes(_bytes32("identity key", secret)).sign(message)
+
+
+def signature_valid(public: bytes, message: bytes, signature: bytes) -> bool:
+    """Whether ``signature`` is the Ed25519 signature of ``message`` under ``public`` (malformed: False)."""
+    if len(public) != KEY_BYTES or len(signature) != SIGNATURE_BYTES:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def advert_message(
+    *,
+    run_id: str,
+    round: int,
+    session: str,
+    fingerprint: str,
+    encryption_key: bytes,
+    masking_key: bytes,
+    commitment: bytes,
+) -> bytes:
+    """What a client signs at step 1: its session keys and commitment, bound to run, round, session and request."""
+    return (
+        PROTOCOL_VERSION
+        + b"|advert|"
+        + _framed(
+            run_id.encode(),
+            struct.pack("<q", round),
+            session.encode(),
+            fingerprint.encode(),
+            encryption_key,
+            masking_key,
+            commitment,
+        )
+    )
+
+
+def check_message(tag: bytes, survivors: NDArray[np.int64], dropped: NDArray[np.int64]) -> bytes:
+    """What a survivor signs in the consistency check: the session tag, U3 and U2 \\ U3 as it was told them."""
+    return (
+        PROTOCOL_VERSION
+        + b"|check|"
+        + _framed(tag, np.asarray(survivors, dtype="<i8").tobytes(), np.asarray(dropped, dtype="<i8").tobytes())
+    )
+
+
+def _signature_table(name: str, table: object, rows: int) -> NDArray[np.uint8]:
+    if not isinstance(table, np.ndarray) or table.dtype != np.uint8 or table.shape != (rows, SIGNATURE_BYTES):
+        raise SecaggError(f"{name}: expected uint8[{rows}, {SIGNATURE_BYTES}], got {found_array(table)}")
+    return table
 
 
 # --- Shamir secret sharing over GF(2^521 - 1) --------------------------------------------------
@@ -432,6 +542,13 @@ class Roster:
     threshold: int
     encryption_keys: NDArray[np.uint8] = field(repr=False)
     masking_keys: NDArray[np.uint8] = field(repr=False)
+    # The authenticated roster (:meth:`authenticate`): the session id, the fingerprint of the step-3
+    # request, and per member its identity key, seed commitment and signed advertisement.
+    session: str = ""
+    fingerprint: str = ""
+    identities: NDArray[np.uint8] | None = field(default=None, repr=False)
+    commitments: NDArray[np.uint8] | None = field(default=None, repr=False)
+    signatures: NDArray[np.uint8] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         enc = _key_table("encryption_keys", self.encryption_keys)
@@ -463,7 +580,62 @@ class Roster:
             threshold=self.threshold,
             encryption_keys=self.encryption_keys,
             masking_keys=self.masking_keys,
+            session=self.session,
+            fingerprint=self.fingerprint,
+            identities=self.identities,
+            commitments=self.commitments,
         )
+
+    def advert(self, i: int) -> bytes:
+        """The advertisement member ``i`` signed (its keys and commitment, this run, round, session, request)."""
+        assert self.commitments is not None
+        return advert_message(
+            run_id=self.run_id,
+            round=self.round,
+            session=self.session,
+            fingerprint=self.fingerprint,
+            encryption_key=self.encryption_keys[i].tobytes(),
+            masking_key=self.masking_keys[i].tobytes(),
+            commitment=self.commitments[i].tobytes(),
+        )
+
+    def authenticate(self, trusted: Collection[bytes]) -> None:
+        """Refuse a roster that a deviating coordinator could have forged or bent (Bonawitz et al. 2017, Sec. 6.2).
+
+        Every member must be listed with an identity from ``trusted`` (the data owner's peer list,
+        never the coordinator's word), each identity once, each advertisement signed by its identity
+        for this run, round, session and request fingerprint; and 2m > n, so that no two survivor
+        sets can each gather m consistency signatures from clients who sign one set per session.
+        """
+        n = self.size
+        if not self.session or len(self.fingerprint) != FINGERPRINT_CHARS:
+            raise SecaggError("roster: expected a session id and a 64-character request fingerprint, found none")
+        identities = _key_table("identities", self.identities)
+        commitments = _key_table("commitments", self.commitments)
+        if identities.shape[0] != n or commitments.shape[0] != n:
+            raise SecaggError(
+                f"roster: expected {n} identities and {n} commitments (one per member), "
+                f"got {identities.shape[0]} and {commitments.shape[0]}"
+            )
+        signatures = _signature_table("signatures", self.signatures, n)
+        ids = [row.tobytes() for row in identities]
+        if len(set(ids)) != n:
+            raise SecaggError("roster: expected every member's identity once, found an identity listed twice")
+        trusted_set = set(trusted)
+        unknown = [i for i, key in enumerate(ids) if key not in trusted_set]
+        if unknown:
+            raise SecaggError(f"roster: members {unknown} have identities that are not this client's trusted peers")
+        forged = [i for i in range(n) if not signature_valid(ids[i], self.advert(i), signatures[i].tobytes())]
+        if forged:
+            raise SecaggError(
+                f"roster: the advertisements of members {forged} are not signed by their identities for this "
+                "run, round, session and request"
+            )
+        if 2 * self.threshold <= n:
+            raise SecaggError(
+                f"threshold: m = {self.threshold} of {n} clients; expected 2m > n, so that no two survivor sets "
+                "can each gather m consistency signatures"
+            )
 
     def index_of(self, encryption_key: bytes, masking_key: bytes) -> int:
         """The index of the client holding these public keys; a SecaggError when it is not listed."""
@@ -491,6 +663,65 @@ class Roster:
         if own is not None and own not in set(peers.tolist()):
             raise SecaggError(f"{name}: expected this client's index {own} among them, found it missing")
         return peers
+
+    def check_split(
+        self, survivors: object, dropped: object, *, shared: NDArray[np.int64], own: int
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """U3 and U2 \\ U3 as a client checks them: disjoint, together exactly its own U2, U3 >= m holding itself.
+
+        A coordinator that lists one client as both survivor and dropped, or whose lists do not
+        partition the U2 this client masked against, is refused here, before any share is revealed.
+        """
+        u3 = self.check_peers(survivors, name="survivors (U3)", own=own)
+        if not isinstance(dropped, np.ndarray) or dropped.dtype != np.int64 or dropped.ndim != 1:
+            raise SecaggError(f"dropped (U2 \\ U3): expected an int64 list of roster indices, got {found_array(dropped)}")
+        if dropped.size and (np.any(np.diff(dropped) <= 0) or dropped[0] < 0 or dropped[-1] >= self.size):
+            raise SecaggError(
+                f"dropped (U2 \\ U3): expected strictly increasing indices in [0, {self.size}), got {dropped.tolist()}"
+            )
+        both = sorted(set(u3.tolist()) & set(dropped.tolist()))
+        if both:
+            raise SecaggError(f"survivors and dropped: expected disjoint lists, found {both} in both")
+        if sorted(u3.tolist() + dropped.tolist()) != shared.tolist():
+            raise SecaggError(
+                f"survivors and dropped: expected together exactly the U2 this client masked against "
+                f"{shared.tolist()}, got {sorted(u3.tolist() + dropped.tolist())}"
+            )
+        return u3, dropped
+
+    def check_signatures(
+        self,
+        survivors: NDArray[np.int64],
+        dropped: NDArray[np.int64],
+        signers: object,
+        signatures: object,
+    ) -> None:
+        """At least m distinct survivors signed this exact (U3, U2 \\ U3) for this session; every listed one valid."""
+        if self.identities is None:
+            raise SecaggError("consistency check: the roster holds no identities to check signatures against")
+        if not isinstance(signers, np.ndarray) or signers.dtype != np.int64 or signers.ndim != 1:
+            raise SecaggError(f"signers: expected an int64 list of roster indices, got {found_array(signers)}")
+        table = _signature_table("check signatures", signatures, signers.size)
+        if np.any(np.diff(signers) <= 0) or not set(signers.tolist()) <= set(survivors.tolist()):
+            raise SecaggError(
+                f"signers: expected strictly increasing survivors from {survivors.tolist()}, got {signers.tolist()}"
+            )
+        if signers.size < self.threshold:
+            raise SecaggError(
+                f"consistency check: {signers.size} survivors signed the survivor set, fewer than m = "
+                f"{self.threshold}; revealing nothing"
+            )
+        message = check_message(self.tag, survivors, dropped)
+        bad = [
+            int(i)
+            for i, sig in zip(signers.tolist(), table, strict=True)
+            if not signature_valid(self.identities[i].tobytes(), message, sig.tobytes())
+        ]
+        if bad:
+            raise SecaggError(
+                f"consistency check: the signatures of {bad} are not over this session's survivor set; "
+                "clients were told different sets"
+            )
 
 
 def share_ciphertexts(secrets_: ClientSecrets, roster: Roster, own: int) -> NDArray[np.uint8]:

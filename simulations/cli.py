@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -155,7 +156,14 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
             "PNG plots and the clients' ledgers to --out. Options left out keep the preset's values."
         ),
     )
-    p.add_argument("--preset", default="quickstart", choices=sorted(PRESETS), help="default: quickstart")
+    p.add_argument(
+        "--preset", choices=sorted(PRESETS), help="default: quickstart (workload when --workload is given)"
+    )
+    p.add_argument(
+        "--workload",
+        help="a workload 'package.module:object' (protocol/workload.py) with a demo hook: the agents and the "
+        "coordinator load it (modules resolve from the current folder, as with python -m)",
+    )
     p.add_argument("--clients", type=int, help="number of clients (virtual SuperNodes)")
     p.add_argument("--rounds", type=int, help="maximum rounds (queries, for sparse-queries)")
     p.add_argument("--epsilon", type=_number, help="target epsilon per unit")
@@ -165,6 +173,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--trust", choices=["local", "central", "secagg"])
     p.add_argument("--unit", choices=["record", "client"])
     p.add_argument("--filter", choices=["gdp", "zcdp", "renyi", "renyi_multi"])
+    p.add_argument(
+        "--local-steps", type=int, help="quickstart with --unit client: local SGD steps per round (DP-FedAvg)"
+    )
+    p.add_argument("--local-lr", type=_number, help="local SGD learning rate (with --local-steps)")
+    p.add_argument("--local-batch-size", type=int, help="records per local SGD step (with --local-steps)")
+    p.add_argument("--server-lr", type=_number, help="server step on the averaged updates (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="data, model and (simulation only) noise seed")
     p.add_argument("--data-dir", help="folder with the MNIST IDX files (mnist-gd)")
     p.add_argument("--download", action="store_true", help="fetch missing MNIST files (checksums verified)")
@@ -204,7 +218,21 @@ def _run_simulate(args: argparse.Namespace) -> int:
         download=args.download,
         out=args.out,
         engine=args.engine,
+        local_steps=args.local_steps,
+        local_lr=args.local_lr,
+        local_batch_size=args.local_batch_size,
+        server_lr=args.server_lr,
+        workload=args.workload,
     )
+    args.preset = args.preset or ("workload" if args.workload else "quickstart")
+    if args.preset == "workload" and not args.workload:
+        raise ValueError("--preset workload: expected --workload 'package.module:object'")
+    if args.workload and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does; the simulated clients inherit it
+    if args.preset != "quickstart" and any(
+        v is not None for v in (args.local_steps, args.local_lr, args.local_batch_size, args.server_lr)
+    ):
+        raise ValueError("--local-steps, --local-lr, --local-batch-size, --server-lr: the quickstart preset only")
     summary = simulate(args.preset, opts)
     print()
     for line in headline(summary):

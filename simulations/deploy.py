@@ -307,18 +307,21 @@ def check_agent_file(path: Path) -> dict[str, object]:
     Returns a short description; raises ``AgentConfigError``, ``LedgerError`` or ``ValueError``
     naming what was expected and what was found. Nothing is created or spent.
     """
-    from client_agent.agent import load_client_data
+    from client_agent.agent import open_client_data
     from client_agent.config import parse_agent_config
     from client_agent.ledger_report import ledger_summary
 
     cfg = parse_agent_config({"agent-config": str(path)})  # relative paths resolve against the file's folder
-    if not cfg.data_path.is_file():
-        raise DeployFileError(f"data-path: expected an .npz file with arrays x and y, found nothing at {cfg.data_path}")
-    x, _, _ = load_client_data(cfg.data_path)
+    if not cfg.data_path.exists():
+        raise DeployFileError(
+            f"data-path: expected the workload's data (an .npz file by default), found nothing at {cfg.data_path}"
+        )
+    workload, source = open_client_data(cfg)  # the workload named in the file, and its data source
     out: dict[str, object] = {
         "agent-config": str(path),
-        "records": len(x),
-        "units": len(x) if cfg.unit == "record" else 1,
+        "workload": workload.name,
+        "records": len(source),
+        "units": len(source) if cfg.unit == "record" else 1,
         "target": f"({cfg.epsilon:g}, {cfg.delta:g})",
         "filter": cfg.filter,
         "unit": cfg.unit,
@@ -327,6 +330,12 @@ def check_agent_file(path: Path) -> dict[str, object]:
     }
     if cfg.socket_path is not None:
         out["agent-socket"] = str(cfg.socket_path)
+    if cfg.secagg_identity_key is not None and cfg.secagg_peers is not None:
+        from client_agent.identity import load_identity, load_peers
+        from protocol.secagg import identity_public_key
+
+        out["secagg-identity"] = identity_public_key(load_identity(cfg.secagg_identity_key)).hex()
+        out["secagg-peers"] = len(load_peers(cfg.secagg_peers))
     if cfg.ledger_path.exists():
         from client_agent.agent import Agent
 
@@ -405,6 +414,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )
     serve.add_argument("path", type=Path, help="the agent TOML")
     serve.set_defaults(handler=_run_agent_serve)
+    keygen = asub.add_parser(
+        "keygen",
+        help="write the agent's secagg identity key (secagg-identity-key) and print its public key",
+        description=(
+            "Writes PATH (mode 0600, never overwritten): the agent's long-term Ed25519 key, with which it signs "
+            "its secagg key advertisements and survivor sets. Give the printed public key to the other data "
+            "owners for their secagg-peers files, outside the coordinator."
+        ),
+    )
+    keygen.add_argument("path", type=Path, help="the identity key file to create")
+    keygen.set_defaults(handler=_run_agent_keygen)
     check = asub.add_parser("check", help="validate an agent TOML (configuration, data, ledger) before starting")
     check.add_argument("path", type=Path)
     check.set_defaults(handler=_run_agent_check)
@@ -451,6 +471,15 @@ def _run_deployed(args: argparse.Namespace) -> int:
     from simulations.deployed_run import run
 
     return run(args.app, args.connection, args.run_config)
+
+
+def _run_agent_keygen(args: argparse.Namespace) -> int:
+    from client_agent.identity import write_identity
+
+    public = write_identity(args.path)
+    print(f"wrote {args.path} (0600)")
+    print(f"identity (for the other owners' secagg-peers files): {public.hex()}")
+    return 0
 
 
 def _run_agent_serve(args: argparse.Namespace) -> int:

@@ -35,4 +35,18 @@ def write_clients(
         }
         if seed is not None:
             per[pid]["noise-seed"] = int(seed) * 1000 + pid
+    if common.get("trust") == "secagg" and "secagg-peers" not in common:
+        for pid, keys in enumerate(secagg_identities(root / "identities", len(parts))):
+            per[pid].update(keys)
     return per
+
+
+def secagg_identities(folder: Path, count: int) -> list[dict[str, str]]:
+    """Per client, the agent keys of secagg trust: its own identity key file (kept when already there,
+    as its ledger is) and one peers file listing every client's identity (client_agent/identity.py)."""
+    from client_agent.identity import ensure_identity, write_peers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    keys = [folder / f"client{pid}.key" for pid in range(count)]
+    peers = write_peers(folder / "peers.txt", [ensure_identity(k) for k in keys])
+    return [{"secagg-identity-key": str(k), "secagg-peers": str(peers)} for k in keys]

@@ -50,6 +50,13 @@ class Options:
     download: bool = False  # fetch missing dataset files from the canonical mirrors
     out: str | None = None  # default: fedfilter-out/<preset>-<UTC time>, a new folder per run
     engine: str = "flower"
+    # The ``workload`` preset: "package.module:object" (protocol/workload.py); both sides load it.
+    workload: str | None = None
+    # Local training (quickstart with unit 'client'; DP-FedAvg): CoordinatorConfig's local_* and server_lr.
+    local_steps: int | None = None
+    local_lr: float | None = None
+    local_batch_size: int | None = None
+    server_lr: float | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,12 @@ class Plan:
 
 def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+def _local_training(opts: Options) -> dict[str, Any]:
+    """The CoordinatorConfig keys of local training that the command line set (validated there)."""
+    keys = ("local_steps", "local_lr", "local_batch_size", "server_lr")
+    return {k: getattr(opts, k) for k in keys if getattr(opts, k) is not None}
 
 
 def _worst_case_rounds(
@@ -131,6 +144,7 @@ def quickstart(opts: Options, out: Path) -> Plan:
         eval_every=1,
         output_dir=str(out),
         noise_seed=opts.seed,
+        **_local_training(opts),
     )
     test_x, test_y = x[clients * records :], y[clients * records :]
     worst = _worst_case_rounds(eps, delta, sigma, clip, monitor.get("monitor_epsilon", 0.0))
@@ -214,6 +228,66 @@ def mnist_gd(opts: Options, out: Path) -> Plan:
     return Plan(cfg, per, model_evaluator(cfg, test_x, test_y), _worst_case_rounds(eps, delta, sigma, clip), {})
 
 
+def workload_demo(opts: Options, out: Path) -> Plan:
+    """A user's workload (``--workload``) through its ``demo`` hook: its data, model and defaults.
+
+    The agents name the workload in their configuration and the coordinator builds the model from
+    the same object, as a Flower app's two sides import one package. Gradient task, record units.
+    """
+    from protocol.workload import WorkloadError, load_workload
+
+    ref = opts.workload or ""
+    try:
+        workload = load_workload(ref)
+    except WorkloadError as exc:
+        raise ValueError(f"--workload: {exc}") from exc
+    if workload.demo is None:
+        raise ValueError(f"--workload: expected a workload with a demo hook (Workload(demo=...)), {ref!r} has none")
+    clients = _pick(opts.clients, 3)
+    demo = workload.demo(clients=clients, seed=opts.seed, root=(out / "clients").resolve())
+    unit, trust = _pick(opts.unit, "record"), _pick(opts.trust, "central")
+    eps, delta = _pick(opts.epsilon, demo.epsilon), _pick(opts.delta, 1e-5)
+    sigma, clip = _pick(opts.noise_std, demo.noise_std), _pick(opts.clip, demo.l2_clip)
+    ledgers = (out / "ledgers").resolve()
+    ledgers.mkdir(parents=True, exist_ok=True)
+    per: dict[int, dict[str, Any]] = {}
+    records = 0
+    for pid, path in enumerate(demo.clients):
+        records += len(workload.open_data(path))
+        per[pid] = {
+            "ledger-path": str(ledgers / f"client{pid}.sqlite"),
+            "data-path": str(path),
+            "workload": ref,
+            "epsilon": eps,
+            "delta": delta,
+            "unit": unit,
+            "trust": trust,
+            "filter": _pick(opts.filter, "gdp"),
+            "noise-seed": opts.seed * 1000 + pid,
+        }
+    n_units = records if unit == "record" else len(demo.clients)
+    cfg = CoordinatorConfig(
+        num_nodes=len(demo.clients),
+        n_public=n_units,
+        rounds=_pick(opts.rounds, demo.rounds),
+        noise_std=sigma,
+        l2_clip=clip,
+        learning_rate=demo.learning_rate,
+        trust=trust,
+        unit=unit,
+        model=demo.model,
+        model_args=json.dumps(dict(demo.model_args)),
+        seed=opts.seed,
+        run_id=f"workload-{workload.name}-{opts.seed}",
+        eval_every=1 if demo.test is not None else 0,
+        output_dir=str(out),
+        noise_seed=opts.seed,
+        workload=ref,
+    )
+    evaluate = model_evaluator(cfg, *demo.test) if demo.test is not None else None
+    return Plan(cfg, per, evaluate, _worst_case_rounds(eps, delta, sigma, clip), {"workload": workload.describe()})
+
+
 def _clients(out: Path, parts: list[tuple[np.ndarray, np.ndarray]], **agent: Any) -> dict[int, dict[str, Any]]:
     """Data under ``out/clients``, ledgers under ``out/ledgers`` (checked empty by :func:`simulate`)."""
     return write_clients(out / "clients", parts, ledger_dir=out / "ledgers", **agent)
@@ -225,6 +299,7 @@ PRESETS: dict[str, Callable[[Options, Path], Plan]] = {
     "mnist-gd": mnist_gd,
     "realisation-survival": realisation_survival,
     "filters-compare": filters_compare,
+    "workload": workload_demo,
 }
 
 

@@ -66,7 +66,7 @@ def test_secagg_reaches_central_accuracy_at_the_same_sigma(tmp_path: Path) -> No
     summary = run_flower(cfg, per, evaluate=evaluate)
     assert summary["rounds_completed"] == 15 and summary["privacy"]["trust"] == "secagg"
     for log in summary["rounds"]:
-        assert log["secagg"] == {"advertised": 10, "shared": 10, "masked": 10, "unmasked": 10}, log
+        assert log["secagg"] == {"advertised": 10, "shared": 10, "masked": 10, "checked": 10, "unmasked": 10}, log
         assert log["release_noise_std"] == pytest.approx(SIGMA) and not log["errors"]
     secagg = float(summary["final_metrics"]["accuracy"])
     central = np.array([in_process_accuracy(tmp_path, "central", seed) for seed in range(11, 16)])

@@ -14,6 +14,7 @@ from client_agent.config import parse_agent_config
 from coordinator.secagg import SecaggRound, SecaggSettings, secagg_release
 from coordinator.transport import Payload, RoundReplies, Transport
 from protocol import messages as wire
+from simulations.federation import secagg_identities
 
 SIGMA, CLIP = 10.0, 100.0
 
@@ -31,6 +32,7 @@ def make_agents(tmp_path: Path, n: int) -> dict[int, Agent]:
             "unit": "client",
             "trust": "secagg",
             "noise-seed": 100 + i,
+            **secagg_identities(tmp_path / "identities", n)[i],
         }
         out[1000 + i] = Agent(parse_agent_config(cfg, simulation=True))
     return out
@@ -75,7 +77,7 @@ def release(transport: Transport, nodes: list[int]) -> SecaggRound:
         rnd=1,
         purpose="indicator",
         nodes=nodes,
-        settings=SecaggSettings(min_clients=2, scale_bits=24),
+        settings=SecaggSettings(min_clients=3, scale_bits=24),
         kind=wire.INDICATOR,
         build=count_request,
         size=1,

@@ -10,7 +10,13 @@ code:
 - the exact sequence of executed lines in the project's own code (``sys.settrace``): a branch
   taken for some units, or a loop whose length depends on them, changes it;
 - the numpy memory the computation allocates at its peak (``tracemalloc``): an extra copy of
-  the rows, or index arrays as long as the stopped set, change it.
+  the rows, or index arrays as long as the stopped set, change it;
+- the sequence of torch operators with their argument shapes and dtypes (a ``TorchDispatchMode``
+  log, backward included): record-unit gradients are streamed (client_agent.streaming: a norms
+  pass, then a weighted backward pass per chunk, run inside ``Agent.release``), and a pass that
+  skipped stopped records, selected the admitted ones or branched per chunk would change the
+  operators or their shapes. Torch's own allocations are not seen by ``tracemalloc``; the shapes
+  of every operator's arguments bound them instead.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from client_agent.agent import Agent
 from client_agent.config import parse_agent_config
@@ -106,26 +115,49 @@ def peak_allocation(fn: Callable[[], object]) -> int:
         tracemalloc.stop()
 
 
-def witness(fn: Callable[[], object]) -> tuple[list[tuple[str, int]], int]:
-    """Both witnesses of ``fn``'s work, after warm-up runs (first imports and caches are not its work)."""
+class _OpLog(TorchDispatchMode):
+    """Every torch operator run under it, with its tensor arguments' shapes and dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[tuple[tuple[int, ...], str], ...]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        leaves, _ = tree_flatten((args, kwargs or {}))
+        shapes = tuple((tuple(t.shape), str(t.dtype)) for t in leaves if isinstance(t, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def torch_ops(fn: Callable[[], object]) -> list[tuple[str, tuple[tuple[tuple[int, ...], str], ...]]]:
+    """The torch operators ``fn`` runs, in order, with their arguments' shapes and dtypes."""
+    log = _OpLog()
+    with log:
+        fn()
+    return log.ops
+
+
+def witness(fn: Callable[[], object]) -> tuple[list[tuple[str, int]], int, list[Any]]:
+    """The three witnesses of ``fn``'s work, after warm-up runs (first imports and caches are not its work)."""
     for _ in range(2):
         fn()
-    return traced_lines(fn), peak_allocation(fn)
+    return traced_lines(fn), peak_allocation(fn), torch_ops(fn)
 
 
 def release_witness(agent: Agent, state: dict[str, np.ndarray], request: wire.GradientRequest) -> Any:
     def run() -> None:
-        rows = agent.contributions(request)
-        agent.release(request, rows, state)
+        agent.release(request, agent.contributions(request), state)
 
     return witness(run)
 
 
 def assert_same_work(a: Any, b: Any) -> None:
-    lines_a, peak_a = a
-    lines_b, peak_b = b
+    lines_a, peak_a, ops_a = a
+    lines_b, peak_b, ops_b = b
     assert len(lines_a) == len(lines_b), (len(lines_a), len(lines_b))
     assert lines_a == lines_b
+    assert len(ops_a) == len(ops_b), (len(ops_a), len(ops_b))
+    assert ops_a == ops_b
     # The same arrays are allocated; allow 16 KiB (5% of one copy of the rows) for small Python
     # objects whose lifetimes differ from run to run.
     assert abs(peak_a - peak_b) <= 16 * 1024, (peak_a, peak_b)
@@ -230,3 +262,27 @@ def test_witness_sees_a_loop_over_the_stopped_set() -> None:
     none = traced_lines(old_kernel(np.zeros(64, dtype=np.bool_)), roots=here)
     half = traced_lines(old_kernel(np.arange(64) % 2 == 0), roots=here)
     assert none != half
+
+
+def test_op_witness_sees_a_pass_that_skips_stopped_records() -> None:
+    """The operator witness has power: a weighted pass over the admitted records only is caught."""
+    from client_agent.streaming import ArraySource, weighted_gradient_sum
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 4)).astype(np.float32), rng.integers(0, 2, 16)
+    loss = torch.nn.CrossEntropyLoss(reduction="none")
+
+    def skipping(weights: np.ndarray) -> Callable[[], object]:
+        def run() -> object:
+            keep = np.flatnonzero(weights)  # a branch on who is admitted
+            return weighted_gradient_sum(model, loss, ArraySource(x[keep], y[keep]), weights[keep], chunk_size=8)
+
+        return run
+
+    def uniform(weights: np.ndarray) -> Callable[[], object]:
+        return lambda: weighted_gradient_sum(model, loss, ArraySource(x, y), weights, chunk_size=8)
+
+    some, half = np.ones(16), np.where(np.arange(16) % 2 == 0, 1.0, 0.0)
+    assert torch_ops(skipping(some)) != torch_ops(skipping(half))
+    assert torch_ops(uniform(some)) == torch_ops(uniform(half))

@@ -28,6 +28,7 @@ from coordinator.secagg import SecaggSettings, default_min_clients, secagg_relea
 from coordinator.transport import Payload, RoundReplies
 from protocol import messages as wire
 from protocol import secagg as sa
+from simulations.federation import secagg_identities
 
 SIGMA, CLIP, BITS = 10.0, 100.0, 24
 
@@ -45,6 +46,7 @@ def node_config(tmp_path: Path, i: int, **over: Any) -> dict[str, Any]:
         "unit": "client",
         "trust": "secagg",
         "noise-seed": 100 + i,
+        **secagg_identities(tmp_path / "identities", max(8, i + 1))[i],
     }
     return cfg | over
 
@@ -125,7 +127,9 @@ def label_count(agent: Agent) -> float:
     return float(np.sum(agent.y == 1))
 
 
-def count_request(node: int, secagg: wire.SecaggInput, *, rnd: int = 1, run_id: str = "run") -> wire.IndicatorRequest:
+def count_request(
+    node: int, secagg: wire.SecaggInput | None, *, rnd: int = 1, run_id: str = "run"
+) -> wire.IndicatorRequest:
     return wire.IndicatorRequest(
         f"{run_id}:indicator:r{rnd}:n{node}",
         run_id,
@@ -163,7 +167,7 @@ def session(transport: AgentTransport, m: int, *, rnd: int = 1, run_id: str = "r
 def test_sum_is_the_plain_sum_of_the_clients_counts(tmp_path: Path, no_noise: None) -> None:
     group = agents(tmp_path, 5)
     result = session(AgentTransport(group), 3)
-    assert result.total is not None and result.counts == {"advertised": 5, "shared": 5, "masked": 5, "unmasked": 5}
+    assert result.total is not None and result.counts == {"advertised": 5, "shared": 5, "masked": 5, "checked": 5, "unmasked": 5}
     assert result.total[0] == sum(label_count(a) for a in group.values())  # exact: integers on a 2^24 grid
     # 5 independent shares of N(0, sigma^2 / m), m = 3 (protocol/secagg.py, distributed noise): variances add.
     assert result.noise_var == pytest.approx(5 * SIGMA**2 / 3)
@@ -216,7 +220,7 @@ def test_charge_is_committed_with_the_masked_input_and_replays(tmp_path: Path) -
         assert spent[0] == pytest.approx(((label_count(agent) + slack) / SIGMA) ** 2, rel=1e-12)
         assert verify_ledger(agent.config.ledger_path) == []  # replaying the stored releases rebuilds the spend
         kinds = [str(rel["kind"]) for _, _, rel in agent.ledger.releases()]
-        assert kinds == ["secagg-keys", "secagg-shares", "indicator", "secagg-unmask"]
+        assert kinds == ["secagg-keys", "secagg-shares", "indicator", "secagg-check", "secagg-unmask"]
 
 
 def _masked_step(transport: AgentTransport) -> tuple[int, dict[str, Any], dict[str, np.ndarray]]:
@@ -252,7 +256,8 @@ def test_one_masked_input_and_one_unmask_answer_per_session_even_after_a_restart
 def test_steps_out_of_order_or_from_another_run_are_refused(tmp_path: Path) -> None:
     group = agents(tmp_path, 3)
     agent = group[1000]
-    keys = agent.handle(wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s1", "run", 1, "secagg")))
+    fp = wire.session_fingerprint(count_request(1000, None), BITS)
+    keys = agent.handle(wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s1", "run", 1, "secagg", fp)))
     assert not keys.is_error and keys.config is not None
     zeros = np.zeros((3, sa.CIPHERTEXT_BYTES), np.uint8)
     ghost = wire.SecaggInput("s1", BITS, sa.value_bound_for(3), np.arange(3, dtype=np.int64), zeros)
@@ -261,14 +266,27 @@ def test_steps_out_of_order_or_from_another_run_are_refused(tmp_path: Path) -> N
     unknown = wire.SecaggUnmaskRequest("u", "run", 1, "secagg", "nope", np.arange(3, dtype=np.int64))
     refused = agent.handle(wire.SECAGG_UNMASK, *wire.encode_request(unknown))
     assert refused.error_code == wire.ERR_MALFORMED and "'nope': step 1 (keys) was not answered" in refused.local_detail
+    zeros32 = np.zeros((2, 32), np.uint8)
     roster_other_run = wire.SecaggSharesRequest(
-        "sh", "other-run", 1, "secagg", "s1", 2, np.zeros((2, 32), np.uint8), np.zeros((2, 32), np.uint8)
+        "sh", "other-run", 1, "secagg", "s1", 2, zeros32, zeros32, fp, zeros32, zeros32, np.zeros((2, 64), np.uint8)
     )
     wrong_run = agent.handle(wire.SECAGG_SHARES, *wire.encode_request(roster_other_run))
     assert wrong_run.error_code == wire.ERR_MALFORMED
     assert "expected run 'run' round 1, got run 'other-run' round 1" in wrong_run.local_detail
-    stranger_keys = np.stack([np.frombuffer(sa.generate_keypair()[1], np.uint8) for _ in range(4)])
-    not_listed = wire.SecaggSharesRequest("sh", "run", 1, "secagg", "s1", 2, stranger_keys[:2], stranger_keys[2:])
+    # A roster of two trusted peers' signed keys for this session that leaves this client out.
+    adverts = []
+    for node in (1001, 1002):
+        got = group[node].handle(wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s1", "run", 1, "secagg", fp)))
+        assert got.config is not None and got.arrays is not None
+        adverts.append(wire.SecaggKeysReply.decode(got.config, got.arrays))
+
+    def table(name: str) -> np.ndarray:
+        return np.stack([getattr(a, name) for a in adverts])
+
+    not_listed = wire.SecaggSharesRequest(
+        "sh", "run", 1, "secagg", "s1", 2, table("encryption_key"), table("masking_key"), fp,
+        table("identity"), table("seed_commitment"), table("signature"),
+    )  # fmt: skip
     missing = agent.handle(wire.SECAGG_SHARES, *wire.encode_request(not_listed))
     assert missing.error_code == wire.ERR_MALFORMED
     assert "expected this client's advertised keys exactly once" in missing.local_detail
@@ -316,7 +334,7 @@ def test_tampered_shares_are_refused_before_any_charge(tmp_path: Path) -> None:
 def test_local_trust_clients_and_low_thresholds_are_refused(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     local = Agent(parse_agent_config(node_config(tmp_path / "a", 0, trust="local"), simulation=True))
-    keys = local.handle(wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s", "run", 1, "secagg")))
+    keys = local.handle(wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s", "run", 1, "secagg", wire.session_fingerprint(count_request(1000, None), BITS))))
     assert keys.error_code == wire.ERR_POLICY
     assert "trust 'secagg' asked; this client's ledger is fixed to trust 'local'" in keys.local_detail
     strict = agents(tmp_path, 3, **{"policy-secagg-min-clients": 3})
@@ -445,7 +463,7 @@ def test_wire_refuses_malformed_secagg_fields() -> None:
     for cfg, arrs, message in cases:
         with pytest.raises(wire.ProtocolError, match=re.escape(message)):
             wire.decode_request(wire.INDICATOR, cfg, arrs)
-    keys = wire.encode_request(wire.SecaggKeysRequest("k", "run", 1, "secagg"))
+    keys = wire.encode_request(wire.SecaggKeysRequest("k", "run", 1, "secagg", "0" * 64))
     with pytest.raises(wire.ProtocolError, match=r"'trust' must be one of \('secagg',\), got 'local'"):
         wire.decode_request(wire.SECAGG_KEYS, keys[0] | {"trust": "local"}, {})
     reply = wire.MaskedInputReply("r", "s", np.zeros(4, np.uint64)).encode()

@@ -1,0 +1,155 @@
+"""Local training for ``client`` units: the client's model update after a few steps of minibatch SGD.
+
+DP-FedAvg (McMahan, Ramage, Talwar & Zhang, "Learning differentially private recurrent language
+models", ICLR 2018, Alg. 1 ``UserUpdate``): the client starts from the broadcast parameters theta,
+runs ``steps`` steps of SGD on its own records and returns Delta = theta_local - theta, flattened
+in the layout of :func:`protocol.models.flatten_parameters`.
+
+Privacy note: Delta is the client's one row v_t(u). It is not released here: the agent's release
+path clips it to the client's remainder (partial clipping, FZ Alg. 3), charges ||clipped Delta||^2 /
+sigma^2 as one Gaussian release and adds the noise (privacy.md §2, §4), exactly as for the
+client-unit gradient row; the noise covers any function of the client's data whose clipped norm is
+priced, so the number of local steps does not change the charge. The work done here depends on the
+request and on the number of records only: never on the filter's state (every client that answers
+runs the same steps, privacy.md §8), and never on which records are null (a record the model cannot
+take goes through every step with loss weight 0, as in :func:`client_agent.workloads.gradient_rows`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+from torch import nn
+from torch.func import functional_call
+
+from client_agent.gradients import LossFn, _check_losses
+from protocol import messages as wire
+
+if TYPE_CHECKING:  # pragma: no cover
+    from protocol.workload import Workload
+
+# valid(x, y, model) -> (n,) bool tensor: which records are usable (protocol.workload.Workload.valid).
+ValidFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]
+
+
+def null_as_zero(
+    model: nn.Module, x: NDArray[Any], y: NDArray[Any], *, valid: ValidFn | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Features, targets and loss weights with every null record (privacy.md §1) as zeros, target 0 and weight 0.
+
+    ``valid`` (a workload's rule) says which records are usable; by default a record is null when a
+    feature is not finite or its label is outside the model's classes (which the coordinator
+    chooses), the rule of :func:`client_agent.workloads.gradient_rows`. Refusing a null record
+    would answer a question about it for free.
+    """
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    if valid is None:
+        labels = np.asarray(y)
+        with torch.no_grad():
+            classes = int(model(torch.zeros_like(xt[:1])).shape[-1])
+        usable = np.isfinite(xt.reshape(len(xt), -1).numpy()).all(axis=1) & (labels >= 0) & (labels < classes)
+        yt = torch.from_numpy(np.where(usable, labels, 0).astype(np.int64))
+        weights = torch.from_numpy(usable.astype(np.float32))
+    else:
+        yt = torch.from_numpy(np.ascontiguousarray(y))
+        mask = valid(xt, yt, model).reshape(-1).to(torch.bool)
+        yt = torch.where(mask.reshape(-1, *([1] * (yt.ndim - 1))), yt, torch.zeros((), dtype=yt.dtype))
+        weights = mask.to(torch.float32)
+    xt = torch.where(weights.reshape(-1, *([1] * (xt.ndim - 1))) > 0, xt, torch.zeros((), dtype=xt.dtype))
+    return xt, yt, weights
+
+
+def local_update(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: NDArray[Any],
+    y: NDArray[Any],
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    rng: np.random.Generator,
+    valid: ValidFn | None = None,
+) -> NDArray[np.float32]:
+    """Delta = theta_local - theta after ``steps`` steps of minibatch SGD from ``model``'s parameters, float32 (d,).
+
+    Step k draws b = min(batch_size, n) distinct records uniformly, ``rng.choice(n, b, replace=False)``,
+    and sets theta <- theta - lr * grad( sum_{i in batch} w_i loss_fn(f_theta(x_i), y_i) / b ), with
+    w_i = 0 for a null record and 1 otherwise (the divisor b counts null records too, as the
+    gradient path's mean counts them). ``loss_fn`` returns per-example losses (shape (b,));
+    ``valid`` is the workload's usable-record rule (default: :func:`null_as_zero`'s).
+    ``model``'s own parameters, buffers and ``.grad`` are left untouched: the steps run on copies.
+    A step that overflows leaves a non-finite Delta, which the release treats as the null element.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps: expected an integer >= 0, got {steps!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected an integer >= 1, got {batch_size!r}")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"lr: expected a finite number > 0, got {lr!r}")
+    xt, yt, weights = null_as_zero(model, x, y, valid=valid)
+    n = len(yt)
+    b = min(batch_size, n)
+    start = {name: p.detach().clone().to(torch.float32) for name, p in model.named_parameters()}
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    params = dict(start)
+    for _ in range(steps):
+        idx = torch.from_numpy(rng.choice(n, size=b, replace=False).astype(np.int64))
+        leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
+        losses = _check_losses(loss_fn(functional_call(model, (leaves, buffers), (xt[idx],)), yt[idx]), b)
+        loss = (losses * weights[idx]).sum() / b
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        with torch.no_grad():
+            params = {
+                name: p.detach() if g is None else p.detach() - lr * g
+                for (name, p), g in zip(leaves.items(), grads, strict=True)
+            }
+    with torch.no_grad():
+        delta = torch.cat([(params[name] - start[name]).reshape(-1) for name in start])
+    return delta.numpy().astype(np.float32, copy=False)
+
+
+def local_rows(
+    request: wire.GradientRequest,
+    x: NDArray[Any],
+    y: NDArray[Any],
+    *,
+    rng: np.random.Generator,
+    loss_fn: LossFn | None = None,
+    workload: Workload | None = None,
+) -> NDArray[np.float32]:
+    """The client's one row for a gradient request with ``local_steps`` > 0: its local update, shape (1, d).
+
+    With ``workload``, the model comes from its registry (checked against the request's layout) and
+    the loss and usable-record rule are its own; without, the built-in model table, the gradient
+    path's per-example cross-entropy and its null rule. ``loss_fn`` overrides the loss.
+    """
+    from client_agent.workloads import _cross_entropy, _loaded_model
+
+    if request.local_steps < 1 or request.local_lr is None or request.local_batch_size is None:
+        raise wire.ProtocolError(f"{wire.GRADIENT}: local training needs local_steps >= 1, local_lr and batch size")
+    if request.unit != "client":
+        raise wire.ProtocolError(f"{wire.GRADIENT}: per-record units cannot train locally, got unit {request.unit!r}")
+    registry: dict[str, Any] = {}
+    if workload is not None:
+        registry = {"workload": workload, "layout": getattr(request, "layout", None)}
+    model = _loaded_model(wire.GRADIENT, request.model, request.model_args, request.parameters, **registry)
+    if loss_fn is None:
+        loss_fn = workload.loss if workload is not None else _cross_entropy
+    delta = local_update(
+        model,
+        loss_fn,
+        x,
+        y,
+        steps=request.local_steps,
+        lr=request.local_lr,
+        batch_size=request.local_batch_size,
+        rng=rng,
+        valid=workload.valid if workload is not None else None,
+    )
+    return delta.reshape(1, -1)

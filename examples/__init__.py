@@ -1,0 +1,1 @@
+"""Example workloads (bring your own: docs/workloads.md)."""

@@ -1,0 +1,204 @@
+"""A deployed-style agent (the Agent class, a TOML naming a user's workload): answers, status, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from client_agent.agent import Agent
+from client_agent.config import parse_agent_config
+from client_agent.direct import answer_request
+from coordinator.config import CoordinatorConfig
+from coordinator.rounds import EnrolmentError, enrol
+from examples.gn_regression import workload as example
+from protocol import messages as wire
+from protocol.models import flatten_parameters
+from protocol.workload import WorkloadError, layout_fingerprint
+from simulations.inprocess import InProcessTransport
+
+REF = "examples.gn_regression.workload:WORKLOAD"
+RECORDS = 12
+
+
+def write_agent(tmp_path: Path, *, workload: str = REF, **extra: Any) -> Path:
+    x, y = example.make_records(RECORDS, seed=1)
+    example.write_records(tmp_path / "grid.f32", x, y)
+    lines = [
+        'data-path = "grid.f32"',  # relative to the TOML file, as the owner writes it
+        'ledger-path = "ledger.sqlite"',
+        "epsilon = 3.0",
+        "delta = 1e-5",
+        'unit = "record"',
+        'trust = "local"',
+        "policy-min-noise-std = 0.5",
+        f"workload = {json.dumps(workload)}",
+        *(f"{k} = {json.dumps(v)}" for k, v in extra.items()),
+    ]
+    path = tmp_path / "agent.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def deployed_agent(tmp_path: Path, **kw: Any) -> Agent:
+    return Agent(parse_agent_config({"agent-config": str(write_agent(tmp_path, **kw))}))
+
+
+def model_request(request_id: str = "g1", *, outputs: int = 2, layout_outputs: int | None = None, **fields: Any) -> Any:
+    model = example.WORKLOAD.build_model("gn_cnn", outputs=outputs)
+    with torch.device("meta"):
+        layout_model = example.WORKLOAD.build_model("gn_cnn", outputs=layout_outputs or outputs)
+    request = wire.GradientRequest(
+        request_id=request_id,
+        run_id="run",
+        round=1,
+        noise_std=1.0,
+        l2_clip=1.0,
+        trust="local",
+        unit="record",
+        model="gn_cnn",
+        model_args=json.dumps({"outputs": outputs}),
+        parameters=flatten_parameters(model),
+        layout=layout_fingerprint(layout_model),
+    )
+    config, arrays = wire.encode_request(request)
+    return config | fields, arrays
+
+
+def histogram(request_id: str = "q1", predicate: str = "target_histogram") -> Any:
+    request = wire.IndicatorRequest(
+        request_id=request_id,
+        run_id="run",
+        round=1,
+        noise_std=1.0,
+        l2_clip=1.0,
+        trust="local",
+        unit="record",
+        predicate=predicate,
+        column=0,
+        value=0.0,
+    )
+    return wire.encode_request(request)
+
+
+def test_status_describes_the_workload_by_names(tmp_path: Path) -> None:
+    agent = deployed_agent(tmp_path)
+    assert agent.workload.name == "gn_regression" and len(agent.source) == RECORDS
+    assert agent.n_units == RECORDS
+    outcome = agent.handle(wire.STATUS, *wire.encode_request(wire.StatusRequest("s", "run", 0)))
+    described = json.loads(outcome.config["description"])["workload"]  # type: ignore[index]
+    assert described == {
+        "name": "gn_regression",
+        "models": ["gn_cnn"],
+        "queries": {
+            "clipped_target": {"dim": 1, "l2_bound": 2.0, "needs_model": False},
+            "target_histogram": {"dim": 8, "l2_bound": 1.0, "needs_model": False},
+        },
+    }
+    agent.close()
+
+
+def test_a_gradient_request_is_answered_with_the_workloads_model_and_loss(tmp_path: Path) -> None:
+    agent = deployed_agent(tmp_path)
+    outcome = agent.handle(wire.GRADIENT, *model_request())
+    assert not outcome.is_error, outcome.local_detail
+    d = flatten_parameters(example.gn_cnn()).size
+    assert outcome.arrays["total"].shape == (d,)  # type: ignore[index]
+    spent = agent.ledger.state()["spent"]
+    assert spent.shape == (RECORDS,) and np.all(spent > 0)  # every record's MSE gradient is non-zero
+    agent.close()
+
+
+def _refused(agent: Agent, kind: str, payload: Any, code: int, detail: str) -> None:
+    before = agent.ledger.requests_answered()
+    outcome = agent.handle(kind, *payload)
+    assert outcome.error_code == code, outcome.local_detail
+    assert detail in outcome.local_detail, outcome.local_detail
+    assert outcome.error_reason == wire.ERROR_TEXT[code]  # fixed text on the wire, no names of the client's
+    assert agent.ledger.requests_answered() == before
+
+
+def test_unknown_model_unknown_query_and_a_layout_mismatch_are_refused(tmp_path: Path) -> None:
+    agent = deployed_agent(tmp_path)
+    config, arrays = model_request()
+    _refused(agent, wire.GRADIENT, (config | {"model": "logreg"}, arrays), wire.ERR_MALFORMED, "model 'logreg'")
+    _refused(agent, wire.INDICATOR, histogram(predicate="column"), wire.ERR_MALFORMED, "query 'column'")
+    _refused(agent, wire.INDICATOR, histogram(predicate="os.system"), wire.ERR_MALFORMED, "query 'os.system'")
+    # The coordinator's model has another layout (3 outputs) than the client's build of the same request.
+    mismatch = model_request("g2", layout_outputs=3)
+    _refused(agent, wire.GRADIENT, mismatch, wire.ERR_MALFORMED, "layout")
+    bad_hex = model_request("g3", layout="xyz")
+    _refused(agent, wire.GRADIENT, bad_hex, wire.ERR_MALFORMED, "'layout' must be 64 lowercase hex digits")
+    bad_name = histogram(predicate="import os")
+    _refused(agent, wire.INDICATOR, bad_name, wire.ERR_MALFORMED, "must be a name of at most 64")
+    agent.close()
+
+
+@pytest.mark.parametrize(
+    ("workload", "message"),
+    [
+        ("examples.gn_regression.workload", "expected 'package.module:object' or an entry point"),
+        ("examples.gn_regression.workload:make_records", "expected a protocol.workload.Workload, found"),
+        ("examples.gn_regression.workload:NOPE", "has no attribute 'NOPE'"),
+    ],
+)
+def test_a_malformed_workload_reference_stops_the_agent(tmp_path: Path, workload: str, message: str) -> None:
+    path = write_agent(tmp_path, workload=workload)
+    with pytest.raises(WorkloadError, match=message):
+        Agent(parse_agent_config({"agent-config": str(path)}))
+    # Through the ClientApp's path: a ledger/configuration refusal with its fixed text; nothing created.
+    outcome = answer_request({"agent-config": str(path)}, wire.STATUS, {"request_id": "s"}, {}, cache=None)
+    assert outcome.error_code == wire.ERR_LEDGER and outcome.error_reason == wire.ERROR_TEXT[wire.ERR_LEDGER]
+    assert not (tmp_path / "ledger.sqlite").exists()
+
+
+def test_enrolment_refuses_clients_whose_workload_lacks_the_runs_model(tmp_path: Path) -> None:
+    path = write_agent(tmp_path)
+    transport = InProcessTransport({0: {"agent-config": str(path)}})
+    cfg = CoordinatorConfig(
+        num_nodes=1,
+        n_public=RECORDS,
+        rounds=1,
+        noise_std=1.0,
+        l2_clip=1.0,
+        model="logreg",
+        model_args=json.dumps({"in_features": 64, "n_classes": 2}),
+    )
+    with pytest.raises(EnrolmentError, match="model 'logreg' asked; a client's workload does not register it"):
+        enrol(transport, cfg)
+    ok = CoordinatorConfig(**{**cfg.__dict__, "model": "gn_cnn", "model_args": "{}", "workload": REF})
+    assert enrol(transport, ok).units_enrolled == RECORDS
+
+
+def test_the_agent_answers_its_workloads_histogram_query(tmp_path: Path) -> None:
+    agent = deployed_agent(tmp_path)
+    outcome = agent.handle(wire.INDICATOR, *histogram())
+    assert not outcome.is_error, outcome.local_detail
+    assert outcome.arrays["total"].shape == (8,)  # type: ignore[index]
+    # One-hot rows (norm 1) at sigma 1 cost 1 each; partial clipping spends what is left (T), less the
+    # 64 float32 ulps clip_scales keeps under the bound: (1 - 64 eps)^2 ~ 1 - 1.5e-5 of T.
+    assert agent.gaussian is not None
+    spent = agent.ledger.state()["spent"]
+    T = agent.gaussian.threshold
+    assert T < 1.0 and np.all(spent <= T) and np.allclose(spent, T, rtol=2e-5)
+    agent.close()
+
+
+def test_indicator_rows_read_the_workloads_query_over_the_source(tmp_path: Path) -> None:
+    from client_agent.workloads import indicator_rows
+
+    agent = deployed_agent(tmp_path)
+    request = wire.decode_request(wire.INDICATOR, *histogram())
+    assert isinstance(request, wire.IndicatorRequest)
+    rows = indicator_rows(request, agent.source, unit="record", workload=agent.workload)
+    assert rows.shape == (RECORDS, 8) and np.allclose(rows.sum(axis=1), 1.0)
+    client = indicator_rows(request, agent.source, unit="client", workload=agent.workload)
+    np.testing.assert_allclose(client, rows.sum(axis=0, keepdims=True))
+    with pytest.raises(wire.ProtocolError, match="query 'column'"):
+        other = wire.decode_request(wire.INDICATOR, *histogram("q2", "column"))
+        indicator_rows(other, agent.source, unit="record", workload=agent.workload)  # type: ignore[arg-type]
+    agent.close()
