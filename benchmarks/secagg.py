@@ -116,11 +116,21 @@ def previous(rev: str, n: int, rounds: int) -> dict[str, Any]:
     """The previous protocol's secagg round: this script's ``--measure`` run on the baseline's packages."""
     repo = Path(__file__).resolve().parent.parent
     worktree = Path(tempfile.mkdtemp(prefix="fedfilter-secagg-baseline-")) / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", str(worktree), rev], cwd=repo, check=True, capture_output=True)
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(worktree), rev], cwd=repo, check=True, capture_output=True
+    )
     try:
         out = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--measure", "secagg", "--clients", str(n)]
-            + ["--rounds", str(rounds)],
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--measure",
+                "secagg",
+                "--clients",
+                str(n),
+                "--rounds",
+                str(rounds),
+            ],
             cwd=worktree,
             env={**os.environ, "PYTHONPATH": str(worktree)},
             capture_output=True,

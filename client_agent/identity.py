@@ -41,7 +41,9 @@ def write_identity(path: Path) -> bytes:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise AgentConfigError(f"secagg-identity-key: a file already exists at {path}; refusing to replace a key") from None
+        raise AgentConfigError(
+            f"secagg-identity-key: a file already exists at {path}; refusing to replace a key"
+        ) from None
     with os.fdopen(fd, "w") as f:
         f.write(secret.hex() + "\n")
     return sa.identity_public_key(secret)
@@ -87,5 +89,7 @@ def load_peers(path: Path) -> frozenset[bytes]:
 
 def write_peers(path: Path, identities: Iterable[bytes]) -> Path:
     """Write a ``secagg-peers`` file listing ``identities`` (public keys)."""
-    path.write_text("# fedfilter secagg peers: one Ed25519 identity key per line\n" + "".join(k.hex() + "\n" for k in identities))
+    path.write_text(
+        "# fedfilter secagg peers: one Ed25519 identity key per line\n" + "".join(k.hex() + "\n" for k in identities)
+    )
     return path

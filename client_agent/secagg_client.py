@@ -165,17 +165,13 @@ def advertise(request: wire.SecaggKeysRequest, identity: bytes) -> Answer:
     the owner's long-term identity key: no coordinator can forge it, nor reuse it in another session.
     """
     secrets = sa.ClientSecrets.fresh()
-    signature = sa.sign(
+    signature = sa.signed_advert(
         identity,
-        sa.advert_message(
-            run_id=request.run_id,
-            round=request.round,
-            session=request.request_id,
-            fingerprint=request.fingerprint,
-            encryption_key=secrets.encryption_key,
-            masking_key=secrets.masking_key,
-            commitment=secrets.commitment,
-        ),
+        secrets,
+        run_id=request.run_id,
+        round=request.round,
+        session=request.request_id,
+        fingerprint=request.fingerprint,
     )
     reply = wire.SecaggKeysReply(
         request.request_id,
@@ -278,7 +274,10 @@ def unmask(ledger: Ledger, request: wire.SecaggUnmaskRequest) -> Answer:
     signed = _step(ledger, f"{request.session}|check", (wire.SECAGG_CHECK,), request, "the consistency check")
     peers = masked.release["secagg_peers"]
     survivors, dropped = session.roster.check_split(request.survivors, request.dropped, shared=peers, own=session.own)
-    if survivors.tolist() != signed.release["survivors"].tolist() or dropped.tolist() != signed.release["dropped"].tolist():
+    if (
+        survivors.tolist() != signed.release["survivors"].tolist()
+        or dropped.tolist() != signed.release["dropped"].tolist()
+    ):
         raise sa.SecaggError(
             f"secagg session {request.session!r}: the unmask step names another survivor set than the one this "
             "client signed"

@@ -412,6 +412,22 @@ def advert_message(
     )
 
 
+def signed_advert(
+    identity: bytes, secrets_: ClientSecrets, *, run_id: str, round: int, session: str, fingerprint: str
+) -> bytes:
+    """The signature of a client's advertisement of ``secrets_``'s public keys (:func:`advert_message`)."""
+    message = advert_message(
+        run_id=run_id,
+        round=round,
+        session=session,
+        fingerprint=fingerprint,
+        encryption_key=secrets_.encryption_key,
+        masking_key=secrets_.masking_key,
+        commitment=secrets_.commitment,
+    )
+    return sign(identity, message)
+
+
 def check_message(tag: bytes, survivors: NDArray[np.int64], dropped: NDArray[np.int64]) -> bytes:
     """What a survivor signs in the consistency check: the session tag, U3 and U2 \\ U3 as it was told them."""
     return (
@@ -674,7 +690,9 @@ class Roster:
         """
         u3 = self.check_peers(survivors, name="survivors (U3)", own=own)
         if not isinstance(dropped, np.ndarray) or dropped.dtype != np.int64 or dropped.ndim != 1:
-            raise SecaggError(f"dropped (U2 \\ U3): expected an int64 list of roster indices, got {found_array(dropped)}")
+            raise SecaggError(
+                f"dropped (U2 \\ U3): expected an int64 list of roster indices, got {found_array(dropped)}"
+            )
         if dropped.size and (np.any(np.diff(dropped) <= 0) or dropped[0] < 0 or dropped[-1] >= self.size):
             raise SecaggError(
                 f"dropped (U2 \\ U3): expected strictly increasing indices in [0, {self.size}), got {dropped.tolist()}"

@@ -127,7 +127,9 @@ class Coordinator:
 
     # -- step 2 ------------------------------------------------------------------------------
 
-    def roster_request(self, s: Session, adverts: Mapping[int, wire.SecaggKeysReply] | None = None) -> wire.SecaggSharesRequest:
+    def roster_request(
+        self, s: Session, adverts: Mapping[int, wire.SecaggKeysReply] | None = None
+    ) -> wire.SecaggSharesRequest:
         adverts = dict(s.adverts if adverts is None else adverts)
         order = sorted(adverts)
 
@@ -149,7 +151,9 @@ class Coordinator:
             table("signature"),
         )
 
-    def share(self, s: Session, request: wire.SecaggSharesRequest | None = None, *, who: Iterable[int] | None = None) -> None:
+    def share(
+        self, s: Session, request: wire.SecaggSharesRequest | None = None, *, who: Iterable[int] | None = None
+    ) -> None:
         """Step 2 to the real members (roster indices ``who``, default all); Sybils seal their shares too."""
         request = self.roster_request(s) if request is None else request
         try:  # the coordinator's own bookkeeping; a roster it forged may not even be well formed
@@ -196,9 +200,13 @@ class Coordinator:
         bound = sa.value_bound_for(s.roster.size)
         for idx in who if who is not None else [i for i, c in enumerate(s.members) if c >= 0]:
             bits = (scale_for or {}).get(idx, BITS)
-            secagg = wire.SecaggInput(s.name, bits, bound, peers, np.stack([s.ciphertexts[v][idx] for v in peers.tolist()]))
+            secagg = wire.SecaggInput(
+                s.name, bits, bound, peers, np.stack([s.ciphertexts[v][idx] for v in peers.tolist()])
+            )
             value = (value_for or {}).get(idx, 1.0)
-            out = self._ok(s.members[idx], ask(self.clients[s.members[idx]], count_request(secagg, rnd=s.rnd, value=value)))
+            out = self._ok(
+                s.members[idx], ask(self.clients[s.members[idx]], count_request(secagg, rnd=s.rnd, value=value))
+            )
             s.masked[idx] = wire.MaskedInputReply.decode(out.config, out.arrays, size=1).masked
 
     # -- consistency check and unmask ---------------------------------------------------------
@@ -235,6 +243,22 @@ class Coordinator:
         out = self._ok(s.members[idx], ask(self.clients[s.members[idx]], request))
         return wire.SecaggUnmaskReply.decode(out.config, out.arrays).revealed
 
+    def honest_finish(self, s: Session, *, scale_bits: int = BITS) -> float:
+        """Steps 3b and 4 as an honest coordinator would run them for every member, then the decoded sum."""
+        assert s.roster is not None
+        everyone = [i for i, c in enumerate(s.members) if c >= 0]
+        sigs = {i: self.check(s, i, everyone, []) for i in everyone}
+        answers = {i: self.unmask(s, i, everyone, [], sigs) for i in everyone}
+        total = sa.unmask_sum(
+            s.roster,
+            shared=_ids(everyone),
+            masked=s.masked,
+            revealed=answers,
+            commitments={i: s.adverts[i].seed_commitment.tobytes() for i in everyone},
+            dim=1,
+        )
+        return float(sa.decode_fixed_point(total, scale_bits=scale_bits)[0])
+
 
 def _ids(values: Iterable[int]) -> np.ndarray:
     return np.array(sorted(values), dtype=np.int64)
@@ -244,15 +268,7 @@ def sybil_advert(
     secrets: sa.ClientSecrets, identity: bytes, session: str, fingerprint: str, *, rnd: int = 1
 ) -> wire.SecaggKeysReply:
     """A roster member the coordinator invented: its own keys, signed by an identity it made up."""
-    message = sa.advert_message(
-        run_id=RUN,
-        round=rnd,
-        session=session,
-        fingerprint=fingerprint,
-        encryption_key=secrets.encryption_key,
-        masking_key=secrets.masking_key,
-        commitment=secrets.commitment,
-    )
+    signature = sa.signed_advert(identity, secrets, run_id=RUN, round=rnd, session=session, fingerprint=fingerprint)
 
     def u8(raw: bytes) -> np.ndarray:
         return np.frombuffer(raw, dtype=np.uint8).copy()
@@ -264,7 +280,7 @@ def sybil_advert(
         u8(secrets.masking_key),
         u8(secrets.commitment),
         u8(sa.identity_public_key(identity)),
-        u8(sa.sign(identity, message)),
+        u8(signature),
     )
 
 
@@ -303,9 +319,7 @@ def recover_input(
     for v in peers:
         if v == target:
             continue
-        mask = sa.expand_mask(
-            sa.pairwise_seed(secret, s.roster.masking_keys[v].tobytes(), tag=tag, u=target, v=v), 1
-        )
+        mask = sa.expand_mask(sa.pairwise_seed(secret, s.roster.masking_keys[v].tobytes(), tag=tag, u=target, v=v), 1)
         if target < v:
             y -= mask
         else:

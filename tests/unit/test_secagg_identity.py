@@ -29,7 +29,7 @@ def base(tmp_path: Path) -> dict[str, object]:
 
 
 def test_secagg_trust_requires_the_identity_and_the_peers(tmp_path: Path) -> None:
-    with pytest.raises(AgentConfigError, match="secagg-identity-key and secagg-peers: expected both .* found neither"):
+    with pytest.raises(AgentConfigError, match=r"secagg-identity-key and secagg-peers: expected both .* found neither"):
         parse_agent_config(base(tmp_path))
     with pytest.raises(AgentConfigError, match="found one"):
         parse_agent_config(base(tmp_path) | {"secagg-peers": str(tmp_path / "peers.txt")})
@@ -46,7 +46,7 @@ def test_keygen_writes_a_private_key_once_and_prints_its_identity(
     public = sa.identity_public_key(load_identity(key))
     assert public.hex() in printed
     before = key.read_bytes()
-    with pytest.raises(AgentConfigError, match="a file already exists .* refusing to replace a key"):
+    with pytest.raises(AgentConfigError, match=r"a file already exists .* refusing to replace a key"):
         write_identity(key)
     assert key.read_bytes() == before
 

@@ -167,7 +167,13 @@ def session(transport: AgentTransport, m: int, *, rnd: int = 1, run_id: str = "r
 def test_sum_is_the_plain_sum_of_the_clients_counts(tmp_path: Path, no_noise: None) -> None:
     group = agents(tmp_path, 5)
     result = session(AgentTransport(group), 3)
-    assert result.total is not None and result.counts == {"advertised": 5, "shared": 5, "masked": 5, "checked": 5, "unmasked": 5}
+    assert result.total is not None and result.counts == {
+        "advertised": 5,
+        "shared": 5,
+        "masked": 5,
+        "checked": 5,
+        "unmasked": 5,
+    }
     assert result.total[0] == sum(label_count(a) for a in group.values())  # exact: integers on a 2^24 grid
     # 5 independent shares of N(0, sigma^2 / m), m = 3 (protocol/secagg.py, distributed noise): variances add.
     assert result.noise_var == pytest.approx(5 * SIGMA**2 / 3)
@@ -276,7 +282,9 @@ def test_steps_out_of_order_or_from_another_run_are_refused(tmp_path: Path) -> N
     # A roster of two trusted peers' signed keys for this session that leaves this client out.
     adverts = []
     for node in (1001, 1002):
-        got = group[node].handle(wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s1", "run", 1, "secagg", fp)))
+        got = group[node].handle(
+            wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s1", "run", 1, "secagg", fp))
+        )
         assert got.config is not None and got.arrays is not None
         adverts.append(wire.SecaggKeysReply.decode(got.config, got.arrays))
 
@@ -334,7 +342,12 @@ def test_tampered_shares_are_refused_before_any_charge(tmp_path: Path) -> None:
 def test_local_trust_clients_and_low_thresholds_are_refused(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     local = Agent(parse_agent_config(node_config(tmp_path / "a", 0, trust="local"), simulation=True))
-    keys = local.handle(wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s", "run", 1, "secagg", wire.session_fingerprint(count_request(1000, None), BITS))))
+    keys = local.handle(
+        wire.SECAGG_KEYS,
+        *wire.encode_request(
+            wire.SecaggKeysRequest("s", "run", 1, "secagg", wire.session_fingerprint(count_request(1000, None), BITS))
+        ),
+    )
     assert keys.error_code == wire.ERR_POLICY
     assert "trust 'secagg' asked; this client's ledger is fixed to trust 'local'" in keys.local_detail
     strict = agents(tmp_path, 3, **{"policy-secagg-min-clients": 3})
