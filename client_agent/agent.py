@@ -33,16 +33,24 @@ import numpy as np
 from numpy.typing import NDArray
 
 from client_agent import secagg_client
-from client_agent.config import AgentConfig
-from client_agent.identity import load_identity, load_peers
+from client_agent.config import AgentConfig, AgentConfigError
 from client_agent.data_sources import materialise
+from client_agent.identity import load_identity, load_peers
 from client_agent.ledger import Ledger, LedgerConfig, LedgerError
-from client_agent.streaming import Contributions, RowContributions, contributions_of
+from client_agent.streaming import Contributions, RowContributions, StreamedGradients, contributions_of
 from protocol import messages as wire
 from protocol import secagg as sa
-from protocol.filters import FilterState, charge, clip_scales, partial_clip, remaining
+from protocol.filters import Charge, FilterState, charge, clip_scales, partial_clip, remaining
 from protocol.realisation import RealisationState, advance, decide, realised_loss
-from protocol.workload import BUILTIN_REF, DataSource, Workload, WorkloadError, layout_fingerprint, load_workload
+from protocol.workload import (
+    BUILTIN_REF,
+    DataSource,
+    Workload,
+    WorkloadError,
+    layout_fingerprint,
+    load_workload,
+    model_layout,
+)
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
 LOG = logging.getLogger("fedfilter.agent")
@@ -144,6 +152,11 @@ def load_client_data(
 # tests/unit/test_release_uniform.py traces it.
 
 
+def _with_slack(clipped_norms: NDArray[np.float64], slack: float) -> NDArray[np.float64]:
+    """secagg: a unit that sends anything is charged its fixed-point rounding slack on top (0 in other trusts)."""
+    return np.where(clipped_norms > 0, clipped_norms + slack, 0.0) if slack else clipped_norms
+
+
 def _digest64(text: str) -> int:
     """The first 8 bytes of SHA-256(text), as an unsigned little-endian integer."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
@@ -175,6 +188,12 @@ class Agent:
         self.config = config
         # secagg trust: the owner's signing key and trusted peers (client_agent/identity.py), read
         # before anything else so that a bad key file stops the agent before it opens its ledger.
+        if config.device != "cpu":
+            import torch
+
+            index = int(config.device.split(":")[1]) if ":" in config.device else 0
+            if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+                raise AgentConfigError(f"device: {config.device!r} asked; torch sees no such CUDA device")
         self.identity: bytes | None = None
         self.trusted_peers: frozenset[bytes] | None = None
         if config.secagg_identity_key is not None and config.secagg_peers is not None:
@@ -244,7 +263,7 @@ class Agent:
             if isinstance(request, wire.StatusRequest):
                 if wire.STATUS not in self.config.policy.allowed_kinds:
                     raise PolicyError(f"request kind {wire.STATUS!r} is not allowed by policy-allowed-kinds")
-                return Outcome(*wire.StatusReply(request.request_id, self.status_json()).encode())
+                return Outcome(*wire.StatusReply(request.request_id, self.status_json(request)).encode())
             digest = wire.request_digest(message_type, config, arrays)
             # A secure-aggregation step is stored under its session, not its request id: at most once each.
             stored = self.ledger.lookup(secagg_client.ledger_id(request))
@@ -268,17 +287,24 @@ class Agent:
             # and the commit is one transaction. A repeat with the same id is answered afresh.
             return refusal(wire.ERR_INTERNAL, message_type, config, exc)
 
-    def status_json(self) -> str:
+    def status_json(self, request: wire.StatusRequest | None = None) -> str:
         """Public configuration only: no spend, and no fingerprint of the client's data.
 
         The ledger's ``data_sha256`` stays on the client: a coordinator holding candidate
-        datasets could otherwise confirm exactly which data the client holds.
+        datasets could otherwise confirm exactly which data the client holds. A request naming a
+        model gets that model's parameter layout fingerprint (None when the workload cannot build
+        it), computed on the meta device from the names alone.
         """
         ledger = json.loads(self.ledger_config.to_json())
         ledger["params"] = {k: v for k, v in ledger["params"].items() if k not in ("data_sha256", "noise_seed")}
         if self.config.noise_seed is not None:
             ledger["params"]["noise"] = "seeded (simulation)"  # the coordinator learns that, not the seed
         description = {"ledger": ledger, "policy": self.config.policy.describe(), "workload": self.workload.describe()}
+        if request is not None and request.model is not None and request.model_args is not None:
+            description["layout"] = {
+                "model": request.model,
+                "fingerprint": model_layout(self.workload, request.model, request.model_args),
+            }
         return json.dumps(description, sort_keys=True)
 
     # -- policy -----------------------------------------------------------------------
@@ -354,8 +380,10 @@ class Agent:
             except WorkloadError as exc:
                 raise wire.ProtocolError(f"{kind}: query {request.predicate!r}: {exc}") from exc
             if query.needs_model != (request.model is not None):
-                need = "needs the request's model: missing key 'model'" if query.needs_model else (
-                    "takes no model: unexpected key 'model'"
+                need = (
+                    "needs the request's model: missing key 'model'"
+                    if query.needs_model
+                    else ("takes no model: unexpected key 'model'")
                 )
                 raise wire.ProtocolError(f"{kind}: query {request.predicate!r} {need}")
         model = getattr(request, "model", None)
@@ -444,8 +472,8 @@ class Agent:
     def contributions(self, request: wire.GradientRequest | wire.IndicatorRequest) -> Contributions:
         """Each unit's unclipped contribution: streamed per-record gradients, or materialised float32 rows.
 
-        Record-unit gradients are :class:`client_agent.streaming.StreamedGradients` (two passes over
-        the records in chunks, run by :meth:`release`); never an (n, d) matrix.
+        Record-unit gradients are :class:`client_agent.streaming.StreamedGradients` (one fused pass over
+        the records in chunks, run by :meth:`release`: norms, weights, clipped sum); never an (n, d) matrix.
         """
         from client_agent.workloads import gradient_contributions, indicator_rows
 
@@ -459,7 +487,7 @@ class Agent:
             return contributions_of(local_rows(request, self.x, self.y, rng=rng, workload=self.workload))
         if isinstance(request, wire.GradientRequest):
             return gradient_contributions(
-                request, self.source, unit=self.config.unit, workload=self.workload
+                request, self.source, unit=self.config.unit, workload=self.workload, device=self.config.device
             )
         return contributions_of(indicator_rows(request, self.source, unit=self.config.unit, workload=self.workload))
 
@@ -475,8 +503,11 @@ class Agent:
 
         ``contributions`` is this request's own (from :meth:`contributions`; a float32 (n, d) array
         is wrapped as materialised rows): norms first, then the clipped, admitted sum. Rows are
-        clipped in place block by block; streamed gradients run their two passes here, so nothing
-        is charged before the sum exists. Streamed norms carry a relative error bound E
+        clipped in place block by block. Streamed record gradients run their one fused pass here
+        (:meth:`_fused_gaussian`): each unit's bound is fixed before the pass, the engine asks for
+        the weights (clip scale x admitted) chunk by chunk, and the charge over all units is then
+        checked to be exactly those weights; nothing is charged before the sum exists. Streamed
+        norms carry a relative error bound E
         (``norm_rel_error``): the clip is bound / (1 + E) and the charge norm * scale * (1 + E),
         never below the clipped contribution's norm (client_agent/streaming.py).
 
@@ -494,9 +525,6 @@ class Agent:
         # A unit whose contribution is not finite (an overflow at extreme parameters) contributes
         # the null element's zero and pays nothing. Refusing instead would answer, uncharged, a
         # question about the client's data: whether some record overflows (privacy.md §1, §2).
-        norms = units.norms()
-        finite = np.isfinite(norms)
-        norms = np.where(finite, norms, 0.0)
         new_state = dict(state)
         kind = "gradient" if isinstance(request, wire.GradientRequest) else "indicator"
         if self.gaussian is not None:
@@ -505,14 +533,17 @@ class Agent:
             # secagg: a unit whose room sigma sqrt(T - S) is at most the rounding slack cannot pay
             # for any masked input again; it stops now (it would otherwise neither take part nor stop).
             room = sigma * np.sqrt(remaining(self.gaussian, fstate)) - slack
-            starved = (room <= 0.0) & ~fstate.stopped if slack else np.zeros(norms.size, dtype=np.bool_)
+            starved = (room <= 0.0) & ~fstate.stopped if slack else np.zeros(self.n_units, dtype=np.bool_)
             bounds = np.minimum(bounds, np.maximum(room, 0.0)) if slack else bounds
-            scales = clip_scales(norms, bounds / margin, dtype_eps=FLOAT32_EPS) * finite
-            clipped_norms = units.scale(scales)
-            if slack:
-                clipped_norms = np.where(clipped_norms > 0, clipped_norms + slack, 0.0)
-            result = charge(self.gaussian, fstate, noise_std=sigma, l2_norms=clipped_norms)
-            total = units.weighted_sum(result.admitted)
+            if isinstance(units, StreamedGradients):
+                result, clipped_norms, total = self._fused_gaussian(units, fstate, bounds / margin, sigma, slack)
+            else:
+                norms = units.norms()
+                finite = np.isfinite(norms)
+                scales = clip_scales(np.where(finite, norms, 0.0), bounds / margin, dtype_eps=FLOAT32_EPS) * finite
+                clipped_norms = _with_slack(units.scale(scales), slack)
+                result = charge(self.gaussian, fstate, noise_std=sigma, l2_norms=clipped_norms)
+                total = units.weighted_sum(result.admitted)
             record = result.release(kind=kind, round_id=request.request_id, noise_std=sigma, l2_norms=clipped_norms)
             stopped = np.array(result.state.stopped | starved)
             newly = stopped & ~fstate.stopped
@@ -534,6 +565,9 @@ class Agent:
             rstate = RealisationState(
                 loss=state["loss"], accepting=state["accepting"], answered=int(state["answered"][0])
             )
+            norms = units.norms()
+            finite = np.isfinite(norms)
+            norms = np.where(finite, norms, 0.0)
             scales = clip_scales(norms, np.full(norms.size, clip) / margin, dtype_eps=FLOAT32_EPS) * finite
             clipped_norms = units.scale(scales)
             step = decide(self.realisation, rstate, mu=clipped_norms / sigma)
@@ -580,6 +614,51 @@ class Agent:
                 total.astype(np.float32),
             )
         return reply, new_state, release
+
+    def _fused_gaussian(
+        self,
+        units: StreamedGradients,
+        fstate: FilterState,
+        clip_to: NDArray[np.float64],
+        sigma: float,
+        slack: float,
+    ) -> tuple[Charge, NDArray[np.float64], NDArray[np.float64]]:
+        """Streamed record gradients in one fused pass: (the charge, the charged norms, the clipped, admitted sum).
+
+        A unit's weight (clip scale x admitted) depends only on its own norm and its own state
+        before this request: its bound ``clip_to`` is fixed before the pass, and :func:`charge`
+        admits each unit from its own spend, stopped flag and charged norm. So the engine asks
+        ``weights`` chunk by chunk, with :func:`charge` itself over that chunk's units, and the sum
+        is formed in the same pass as the norms (client_agent/streaming.py). The charge over all
+        units is then computed from all norms as in the two-pass path, and must have admitted and
+        scaled exactly as the weights did; else nothing is released. Every unit, stopped or not,
+        gets the same operations (privacy.md §8).
+        """
+        assert self.gaussian is not None
+        gaussian = self.gaussian
+        used = np.zeros(units.n_units, dtype=np.float64)
+
+        def scales_of(norms: NDArray[np.float64], lo: int) -> NDArray[np.float64]:
+            finite = np.isfinite(norms)
+            bound = clip_to[lo : lo + norms.size]
+            return clip_scales(np.where(finite, norms, 0.0), bound, dtype_eps=FLOAT32_EPS) * finite
+
+        def weights(lo: int, norms: NDArray[np.float64]) -> NDArray[np.float64]:
+            hi = lo + norms.size
+            scales = scales_of(norms, lo)
+            part = FilterState(spent=fstate.spent[lo:hi], stopped=fstate.stopped[lo:hi])
+            charged = _with_slack(units.charged_norms(norms, scales), slack)
+            admitted = charge(gaussian, part, noise_std=sigma, l2_norms=charged).admitted
+            used[lo:hi] = scales * admitted
+            return used[lo:hi]
+
+        total = units.clipped_sum(weights)
+        scales = scales_of(units.norms(), 0)
+        clipped_norms = _with_slack(units.scale(scales), slack)
+        result = charge(gaussian, fstate, noise_std=sigma, l2_norms=clipped_norms)
+        if not np.array_equal(used, scales * result.admitted):
+            raise RuntimeError("fused release: the weights summed are not the scales and admissions charged")
+        return result, clipped_norms, total
 
     def monitor_reply(
         self, request: wire.MonitorRequest, state: dict[str, NDArray[Any]]

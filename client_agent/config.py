@@ -10,6 +10,7 @@ The policy is what the client keeps whatever the coordinator asks.
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -165,6 +166,8 @@ class AgentConfig:
     # (protocol.secagg, "identities and signatures"). Both are required in secagg trust.
     secagg_identity_key: Path | None = None
     secagg_peers: Path | None = None
+    # Where the per-record engine runs: "cpu" (default), "cuda" or "cuda:N" when torch sees that device.
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.trust == "secagg" and (self.secagg_identity_key is None or self.secagg_peers is None):
@@ -173,6 +176,8 @@ class AgentConfig:
                 "its trusted peers' identity keys; `fedfilter agent keygen` writes a key), found "
                 f"{'neither' if self.secagg_identity_key is None and self.secagg_peers is None else 'one'}"
             )
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+            raise AgentConfigError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         try:
             positive("epsilon", self.epsilon)
             open_unit("delta", self.delta)
@@ -291,6 +296,7 @@ _KEYS = {
     "workload",
     "secagg-identity-key",
     "secagg-peers",
+    "device",
 }
 # Keys Flower itself puts into a simulated node's config.
 _FLOWER_KEYS = {"partition-id", "num-partitions"}
@@ -408,6 +414,7 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         workload=_get(raw, "workload", str, BUILTIN_REF),
         secagg_identity_key=Path(_get(raw, "secagg-identity-key", str)) if "secagg-identity-key" in raw else None,
         secagg_peers=Path(_get(raw, "secagg-peers", str)) if "secagg-peers" in raw else None,
+        device=_get(raw, "device", str, "cpu"),
     )
 
 

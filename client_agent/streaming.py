@@ -1,46 +1,56 @@
 """Per-record gradient contributions, streamed chunk by chunk: memory bounded by a chunk, never by n x d.
 
-Two passes over the records ("ghost clipping": Goodfellow 2015, Lee & Kifer 2021, Li et al. 2022;
-Bu et al.'s book-keeping norms; Opacus ``utils/fast_gradient_clipping_utils.py`` and the
-``grad_sample`` norm samplers):
+One fused pass over the records (the book-keeping method of Bu et al. 2022, "Differentially
+Private Optimization on Large Model at Small Cost"; ghost norms: Goodfellow 2015, Lee & Kifer
+2021, Li et al. 2022; Opacus ``utils/fast_gradient_clipping_utils.py`` and the ``grad_sample``
+norm samplers). Per chunk, :func:`fused_clipped_sum`:
 
-1. :func:`record_norms`: each record's gradient L2 norm, from the forward activation ``a`` and the
-   backprop ``g`` of every leaf module that owns parameters (captured by forward hooks; the
-   backprops are ``autograd.grad`` of the chunk's loss with respect to the modules' outputs, so no
-   parameter gradient is formed). ``nn.Linear`` on (b, in): ||g a^T||^2 = ||a||^2 ||g||^2; on
-   sequences (b, T, in): sum((a a^T) * (g g^T)) (T x T Gram, float64) or the explicit (b, out, in)
-   gradient, whichever is smaller; ``nn.Conv1d``/``nn.Conv2d`` (groups 1, zero padding): the Gram
-   of the unfolded input, or the explicit gradient as a grouped convolution; ``nn.Embedding``:
-   the Gram over positions with equal indices, or the explicit scatter; any other leaf
-   (``nn.LayerNorm``, ``nn.GroupNorm``, custom): ``torch.func`` vmap over the vjp of that one
-   module at its captured input and backprop. A model the hooks cannot see completely falls back
-   to vmap(grad) of the whole model, norms only. Squared norms are summed in float64.
-2. :func:`weighted_gradient_sum`: sum_i w_i g_i as one ordinary backward pass per chunk of
-   sum_i w_i loss_i (float32 autograd), accumulated in float64 in the flat layout of
-   :func:`protocol.models.flatten_parameters`.
+1. one forward, capturing the input ``a`` of every leaf module that owns parameters (forward
+   hooks), and one backward with respect to those modules' outputs (their backprops ``g``; no
+   parameter gradient is formed);
+2. each record's gradient L2 norm from the captured (a, g): ``nn.Linear`` on (b, in):
+   ||g a^T||^2 = ||a||^2 ||g||^2; on sequences (b, T, in): sum((a a^T) * (g g^T)) (T x T Gram,
+   float64) or the explicit (b, out, in) gradient, whichever is smaller; ``nn.Conv1d``/
+   ``nn.Conv2d`` (groups 1, zero padding): the Gram of the unfolded input (float64), or the
+   explicit float32 gradient of each record as a batched matmul, in cache-sized blocks of records;
+   ``nn.Embedding``: the Gram over positions with equal indices, or the explicit scatter; any
+   other leaf (``nn.LayerNorm``, ``nn.GroupNorm``, custom): ``torch.func`` vmap over the vjp of
+   that one module at its captured input and backprop. Squared norms are summed in float64;
+3. the chunk's weights w_i from the caller (``weights(start, norms)``: Agent.release's clip scale
+   x admitted, each record's from its own norm and its state before the request);
+4. sum_i w_i g_i from the same (a, g), with no second forward or backward (:func:`_layer_sum`):
+   Linear (w g)^T a, convolutions their weight-gradient kernel with w g as output gradient,
+   Embedding an index_add, other leaves one vjp of that module alone with cotangent w g;
+   accumulated in float64 in the flat layout of :func:`protocol.models.flatten_parameters`.
+
+A model the hooks cannot see completely falls back to vmap(grad) of the whole model per
+sub-batch: the per-record gradients formed for the norms are weighted and summed.
+:func:`record_norms` (norms only) and :func:`weighted_gradient_sum` (a weighted backward pass)
+remain as the two-pass path: :class:`StreamedGradients`' ``norms``/``scale``/``weighted_sum``, and
+the reference the fused pass is tested against.
 
 Privacy notes (privacy.md §1, §2, §8):
 
 - The null element: a record whose features are not finite, or that the workload's ``valid``
   rule rejects (e.g. a label the model cannot take), gets zero features, target 0 and weight 0
-  in both passes, so its norm is 0 and its contribution exactly zero. In pass 2 a record whose
-  norm is not finite, or is 0, is made a null input the same way (a torch.where on every record;
-  0 * inf would be NaN in a weighted backward), so every record that contributes anything was
-  charged for it. The null element's own gradient is checked to be finite once per request (a
-  data-independent check); a sum that is still not finite raises :class:`NonFiniteSumError`
-  before anything is charged.
-- Float error: a pass-1 norm and the norm of what pass 2 sums differ by rounding. The engine
-  declares a relative bound :data:`NORM_REL_ERROR`; the release clips to bound / (1 + E) and
-  charges norm * scale * (1 + E) >= the clipped contribution's norm (tests/unit/test_streaming.py
-  shows observed errors below 1e-7, E / 1000). E is an empirical bound, not a proof: float32
-  cancellation inside one record's gradient could in principle exceed it (as it could in the
-  float32 sum itself).
-- The work does not depend on who stopped: every record goes through both passes with the same
-  operations; a stopped record has weight 0, never a skipped branch.
-- Records must not interact: BatchNorm (and Dropout in training mode, whose masks differ between
-  the passes) are rejected. A custom leaf module that reads another module's parameters is not
-  seen by the hooks: the first chunk's hook gradients are checked against autograd's (relative
-  1e-3), and a mismatch switches the engine to the whole-model fallback.
+  in the loss, so its norm is 0 and its contribution exactly zero. In the sum, a record whose
+  weight is 0, or whose norm is not finite or is 0, enters as exact zeros in both ``a`` and ``g``
+  (a torch.where on every record; 0 * inf would be NaN), whatever weight the caller gave it, so
+  every record that contributes anything was charged for it. The null element's own gradient is
+  checked to be finite once per request (a data-independent check); a sum that is still not
+  finite raises :class:`NonFiniteSumError` before anything is charged.
+- Float error: a record's float64 norm and the norm of what the float32 sum adds for it differ
+  by rounding (both come from the same float32 (a, g)). The engine declares a relative bound
+  :data:`NORM_REL_ERROR`; the release clips to bound / (1 + E) and charges norm * scale * (1 + E)
+  >= the clipped contribution's norm (tests/unit/test_streaming.py shows observed errors below
+  1e-7, E / 1000). E is an empirical bound, not a proof: float32 cancellation inside one record's
+  gradient could in principle exceed it (as it could in the float32 sum itself).
+- The work does not depend on who stopped: every record goes through the same operations; a
+  stopped record has weight 0, never a skipped branch.
+- Records must not interact: BatchNorm (and Dropout in training mode) are rejected. A custom leaf
+  module that reads another module's parameters is not seen by the hooks: the first chunk's hook
+  gradients are checked against autograd's (relative 1e-3), and a mismatch switches the engine to
+  the whole-model fallback.
 """
 
 from __future__ import annotations
@@ -58,15 +68,19 @@ from torch.func import functional_call, vjp, vmap
 
 from client_agent.gradients import LossFn, check_no_batch_norm, example_gradients_fn
 
-# Relative bound on |pass-1 norm - ||what pass 2 sums||| / ||what pass 2 sums||. Pass 1 is float64
-# over float32 activations and backprops; pass 2 is float32 autograd. Both are within a few
-# float32 ulps per operation of the exact gradient at the float32 activations (relative ~1e-6 in
+# Relative bound on |a record's norm - ||what the sum adds for it||| / ||what the sum adds||. The
+# norm is float64 over the float32 activations and backprops (or over the explicit float32
+# gradient); the sum is float32 kernels over the same (a, g). Both are within a few float32 ulps
+# per operation of the exact gradient at the float32 activations (relative ~1e-7 in
 # tests/unit/test_streaming.py at every tested layer), so 1e-4 leaves a margin of about 100.
 NORM_REL_ERROR = 1e-4
 # Floats per sub-batch for the explicit per-record paths (torch.func leaves, the whole-model
 # fallback): 2^25 floats is 128 MiB in float32, 256 MiB in float64.
 _EXPLICIT_FLOATS = 1 << 25
 _BLOCK_ROWS = 256  # rows per block for materialised rows: float64 temporaries of a few MB
+# Floats per block of records for the convolutions' norms (patches and per-record gradients of a
+# block): 2^19 floats is 2 MiB in float32, about what stays in a core's cache.
+_BLOCK_FLOATS = 1 << 19
 
 
 class NonFiniteSumError(ArithmeticError):
@@ -175,7 +189,7 @@ def check_model(model: nn.Module) -> None:
         )
 
 
-# -- pass 1: per-layer squared norms from activations and backprops ------------------------------
+# -- norms: per-layer squared norms from activations and backprops --------------------------------
 
 
 def _gram_or_explicit(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -206,27 +220,41 @@ def _conv_supported(m: nn.Module, a: torch.Tensor) -> bool:
     return m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str) and a.ndim == spatial + 2
 
 
-def _unfolded64(
-    a: torch.Tensor, k: tuple[int, int], d: tuple[int, int], p: tuple[int, int], s: tuple[int, int]
+def _patches(
+    a: torch.Tensor,
+    k: tuple[int, int],
+    d: tuple[int, int],
+    p: tuple[int, int],
+    s: tuple[int, int],
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The unfolded input (b, L, C k) in float64, in one strided copy (``F.unfold`` and a cast, faster)."""
+    """The unfolded input (b, L, k C) in ``dtype``: each patch's features in (kernel row, column, channel) order.
+
+    The weight's per-record gradient is the linear layer's on these patches, with its input
+    features permuted; only norms are computed from them, which do not depend on the order. The
+    input is copied once channels-last, then one strided copy gathers the patches with each
+    channel run contiguous (faster than the (C, k) order of ``F.unfold``).
+    """
     padded = nn.functional.pad(a, (p[1], p[1], p[0], p[0]))
     b, c, h, w = padded.shape
     oh, ow = (h - d[0] * (k[0] - 1) - 1) // s[0] + 1, (w - d[1] * (k[1] - 1) - 1) // s[1] + 1
-    sb, sc, sh, sw = padded.stride()
-    view = padded.as_strided((b, oh, ow, c, k[0], k[1]), (sb, sh * s[0], sw * s[1], sc, sh * d[0], sw * d[1]))
-    out = torch.empty(view.shape, dtype=torch.float64, device=a.device)
-    out.copy_(view)
-    return out.reshape(b, oh * ow, c * k[0] * k[1])
+    last = torch.empty((b, h, w, c), dtype=dtype, device=a.device)
+    last.copy_(padded.permute(0, 2, 3, 1))
+    sb, sh, sw, sc = last.stride()
+    view = last.as_strided((b, oh, ow, k[0], k[1], c), (sb, sh * s[0], sw * s[1], sh * d[0], sw * d[1], sc))
+    return view.reshape(b, oh * ow, c * k[0] * k[1])
 
 
 def _conv_sq(m: nn.Conv1d | nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Per-record squared norm of a convolution's gradient: Gram over output positions, or explicit.
 
     The weight's per-record gradient is the linear layer's on the unfolded input (L positions of
-    C k inputs). When L^2 <= C_out C k the L x L Gram of the unfolded input is the smaller; else the
-    explicit (C_out, C, k) gradient, computed without unfolding as a grouped convolution of the
-    padded input (records as channels) with the backprop as kernel (stride and dilation swapped).
+    C k inputs). When the float64 L x L Gram (2 L^2 (C k + C_out) work, float64 counted twice) is
+    cheaper than the explicit float32 (C_out, C k) gradient (L C_out C k), the Gram; else the
+    explicit gradient, one batched matmul per block of records, its squares summed in float64.
+    Records are taken in blocks of about :data:`_BLOCK_FLOATS` floats, so that the patches and
+    gradients of a block stay in cache (an unblocked chunk of them is memory-bound, several times
+    slower).
     """
     b = a.shape[0]
     if isinstance(m, nn.Conv1d):
@@ -235,14 +263,19 @@ def _conv_sq(m: nn.Conv1d | nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> torc
     else:
         a2, g2, k, d, p, s = a, g, m.kernel_size, m.dilation, m.padding, m.stride
     c_in, c_out = a2.shape[1], g2.shape[1]
-    positions = g2.shape[2] * g2.shape[3]
-    if positions * positions <= c_out * c_in * k[0] * k[1]:
-        out = _gram_or_explicit(_unfolded64(a2, k, d, p, s), g2.reshape(b, c_out, -1).transpose(1, 2).double())
+    positions, inputs = g2.shape[2] * g2.shape[3], c_in * k[0] * k[1]
+    gb = g2.reshape(b, c_out, positions)
+    out = torch.empty(b, dtype=torch.float64, device=a.device)
+    if 2 * positions * (inputs + c_out) <= c_out * inputs:
+        step = max(1, _BLOCK_FLOATS // (2 * positions * (inputs + c_out + positions)))
+        for i in range(0, b, step):
+            u = _patches(a2[i : i + step], k, d, p, s, torch.float64)
+            out[i : i + step] = _gram_or_explicit(u, gb[i : i + step].transpose(1, 2).double())
     else:
-        padded = nn.functional.pad(a2, (p[1], p[1], p[0], p[0])).transpose(0, 1)  # (C, b, H, W)
-        kernel = g2.reshape(b * c_out, 1, g2.shape[2], g2.shape[3])
-        grads = nn.functional.conv2d(padded, kernel, stride=d, dilation=s, groups=b)  # (C, b C_out, >=k, >=k)
-        out = grads[..., : k[0], : k[1]].double().square().reshape(c_in, b, -1).sum(dim=(0, 2))
+        step = max(1, _BLOCK_FLOATS // (inputs * (positions + c_out)))
+        for i in range(0, b, step):
+            grads = torch.bmm(gb[i : i + step], _patches(a2[i : i + step], k, d, p, s, a.dtype))
+            out[i : i + step] = torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=torch.float64).square()
     if m.bias is not None:
         out = out + g2.double().sum(dim=(2, 3)).square().sum(dim=1)
     return out
@@ -292,6 +325,64 @@ def _layer_sq(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return _module_sq(m, a, g)
 
 
+# -- the fused sum: each layer's weighted parameter gradient from the same (a, g) -------------------
+
+
+def _rows_where(keep: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` for the records in ``keep``, exact zeros for the others: the same torch.where on every record."""
+    return torch.where(keep.reshape(-1, *([1] * (t.ndim - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _layer_sum(
+    m: nn.Module, a: torch.Tensor, g: torch.Tensor, w: torch.Tensor, keep: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """sum_i w_i (record i's gradient of ``m``'s own parameters), from the input ``a`` and backprop ``g``.
+
+    No forward or backward of the model: ``nn.Linear`` (w g)^T a over records and positions;
+    ``nn.Conv1d``/``nn.Conv2d`` the convolution's weight-gradient kernel (``convolution_backward``
+    with the weighted backprop as output gradient, no input gradient); ``nn.Embedding`` an
+    index_add of the weighted backprop rows; any other leaf one vjp of that module alone at ``a``
+    with cotangent w g (a gradient is linear in its cotangent: the batch vjp is the weighted sum of
+    the per-record ones). A record outside ``keep`` enters as zeros in both ``a`` and ``g``
+    (0 * inf would be NaN), by the same torch.where on every record.
+    """
+    gw = _rows_where(keep, g * w.reshape(-1, *([1] * (g.ndim - 1))))
+    if isinstance(m, nn.Linear) and a.is_floating_point():
+        a2, g2 = _rows_where(keep, a).reshape(-1, a.shape[-1]), gw.reshape(-1, gw.shape[-1])
+        out = {"weight": torch.mm(g2.t(), a2)}
+        if m.bias is not None:
+            out["bias"] = g2.sum(dim=0)
+        return out
+    if _conv_supported(m, a):
+        conv: nn.Conv1d | nn.Conv2d = m  # type: ignore[assignment]
+        has_bias = conv.bias is not None
+        _, weight, bias = torch.ops.aten.convolution_backward(
+            gw,
+            _rows_where(keep, a),
+            conv.weight.detach(),
+            [conv.out_channels] if has_bias else None,
+            list(conv.stride),
+            list(conv.padding),  # type: ignore[arg-type]
+            list(conv.dilation),
+            False,
+            [0] * len(conv.stride),
+            conv.groups,
+            [False, True, has_bias],
+        )
+        return {"weight": weight, "bias": bias} if has_bias else {"weight": weight}
+    if _embedding_supported(m):
+        emb: nn.Embedding = m  # type: ignore[assignment]
+        idx = a.reshape(-1)
+        rows = gw.reshape(idx.numel(), -1)
+        if emb.padding_idx is not None:  # the padding index gets no gradient
+            rows = _rows_where(idx != emb.padding_idx, rows)
+        return {"weight": torch.zeros_like(emb.weight.detach()).index_add_(0, idx, rows)}
+    params = {name: p.detach() for name, p in m.named_parameters(recurse=False)}
+    _, pull = vjp(lambda p: functional_call(m, p, (_rows_where(keep, a),)), params)
+    (grads,) = pull(gw)
+    return dict(grads)
+
+
 class _Unsupported(Exception):
     """The hooks cannot see this model completely: use the whole-model fallback."""
 
@@ -335,6 +426,9 @@ def _hooked_modules(model: nn.Module) -> list[nn.Module]:
     return modules
 
 
+Captured = list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
+
+
 def _hooked_chunk_sq(
     model: nn.Module,
     loss_fn: LossFn,
@@ -348,6 +442,26 @@ def _hooked_chunk_sq(
     check: bool,
 ) -> torch.Tensor:
     """One chunk's per-record squared norms from hooks; ``check`` also validates the hooks against autograd."""
+    return _hooked_chunk(model, loss_fn, capture, leaves, buffers, x, y, w, check=check)[0]
+
+
+def _hooked_chunk(
+    model: nn.Module,
+    loss_fn: LossFn,
+    capture: _Capture,
+    leaves: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    check: bool,
+) -> tuple[torch.Tensor, Captured]:
+    """One chunk's per-record squared norms from hooks, and each used module's (module, a, g).
+
+    One forward, one backward with respect to the modules' outputs (no parameter gradient, except
+    on a ``check`` chunk, which also validates the hooks against autograd).
+    """
     capture.calls.clear()
     capture.problem = ""
     capture.active = True
@@ -368,12 +482,15 @@ def _hooked_chunk_sq(
     wanted = outs + (list(leaves.values()) if check else [])
     grads = torch.autograd.grad(total, wanted, allow_unused=True) if wanted else ()
     sq = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
-    for (m, (a, out, _, _)), g in zip(used, grads[: len(outs)], strict=True):
-        if g is not None:
+    captured: Captured = []
+    for (m, (a, _out, _, _)), g in zip(used, grads[: len(outs)], strict=True):
+        if g is not None:  # None: the module's output does not reach the loss, its gradient is 0
+            captured.append((m, a.detach(), g.detach()))
             sq += _layer_sq(m, a.detach(), g.detach())
     if check:
         _check_hooks(model, used, grads[: len(outs)], dict(zip(leaves, grads[len(outs) :], strict=True)))
-    return sq
+    capture.calls.clear()
+    return sq, captured
 
 
 def _check_hooks(
@@ -425,7 +542,7 @@ def record_norms(
     chunk_size: int = 1024,
     device: str = "cpu",
 ) -> tuple[NDArray[np.float64], str]:
-    """Pass 1: each record's gradient L2 norm (float64, shape (n,)) and the method used ("hooks" or "fallback").
+    """The norms pass alone: each record's gradient L2 norm (float64, (n,)) and the method ("hooks" or "fallback").
 
     A null record's norm is exactly 0; a record whose gradient overflows has a non-finite norm.
     """
@@ -467,7 +584,155 @@ def record_norms(
     return out.sqrt_().numpy(), "hooks" if capture is not None else "fallback"
 
 
-# -- pass 2: the weighted sum ---------------------------------------------------------------------
+# -- the fused pass: norms, weights, and the weighted sum from one forward and one backward --------
+
+
+WeightsFn = Callable[[int, NDArray[np.float64]], NDArray[np.floating]]
+"""``weights(start, norms) -> w``: the weights of records ``start .. start + len(norms) - 1`` from their norms.
+
+Called once for every record, in order, on consecutive runs of records (a chunk, or a sub-batch of
+the fallback); each record's weight may depend only on its own norm (and on state fixed before
+the pass). ``norms`` are float64, non-finite for a record whose gradient overflows.
+"""
+
+
+class _Weigher:
+    """Asks ``weights`` for each run of records, checks the answer, and gives it back as float32 weights and a mask.
+
+    A record's mask is ``w != 0`` and a finite, non-zero norm: a record outside it enters the sum as
+    exact zeros, whatever the weight said (the same torch.where on every record).
+    """
+
+    def __init__(self, weights: WeightsFn, n: int, device: torch.device) -> None:
+        self.weights, self.n, self.device, self.next = weights, n, device, 0
+
+    def __call__(self, start: int, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if start != self.next:
+            raise RuntimeError(f"weights: records {self.next}.. expected next, asked for {start}..")
+        raw = norms.detach().to("cpu", torch.float64).numpy()
+        w = np.asarray(self.weights(start, raw), dtype=np.float64)
+        if w.shape != raw.shape or not bool(np.isfinite(w).all()):
+            raise ValueError(f"weights: expected {raw.size} finite values, got shape {w.shape}")
+        self.next = start + raw.size
+        wt = torch.from_numpy(w).to(device=self.device, dtype=torch.float32)
+        keep = (wt != 0) & torch.isfinite(norms) & (norms > 0)
+        return wt, keep.to(self.device)
+
+
+def _fallback_chunk(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    usable: torch.Tensor,
+    weigh: _Weigher,
+    start: int,
+    add: Callable[[str, torch.Tensor], None],
+) -> torch.Tensor:
+    """The whole-model fallback, fused: per sub-batch, vmap(grad) rows, their norms, weights, weighted sum."""
+    grads_fn, params = example_gradients_fn(model, loss_fn, x.device)
+    d = max(1, sum(p.numel() for p in params.values()))
+    step = max(1, _EXPLICIT_FLOATS // d)
+    parts = []
+    for i in range(0, x.shape[0], step):
+        grads = grads_fn(params, x[i : i + step], y[i : i + step], usable[i : i + step])
+        sq = sum(g.reshape(g.shape[0], -1).double().square().sum(dim=1) for g in grads.values())
+        norms = torch.as_tensor(sq, dtype=torch.float64).sqrt()
+        w, keep = weigh(start + i, norms)
+        for name, g in grads.items():
+            add(name, torch.tensordot(w, _rows_where(keep, g), dims=1))
+        parts.append(norms)
+    return torch.cat(parts)
+
+
+def fused_clipped_sum(
+    model: nn.Module,
+    loss_fn: LossFn,
+    source: RecordSource,
+    weights: WeightsFn,
+    *,
+    valid: Validity | None = None,
+    chunk_size: int = 1024,
+    device: str = "cpu",
+) -> tuple[NDArray[np.float64], NDArray[np.float64], str]:
+    """One pass: each record's gradient norm, and sum_i w_i g_i with the weights ``weights`` gives from the norms.
+
+    Returns (norms float64 (n,), the sum float64 (d,), the method: "hooks" or "fallback"). Per
+    chunk: one forward, one backward with respect to the hooked modules' outputs, the norms from
+    the captured (a, g) as :func:`record_norms` computes them, ``weights`` for the chunk's records,
+    then each module's weighted parameter gradient from the same (a, g) (:func:`_layer_sum`); the
+    fallback forms per-record gradients by vmap(grad) per sub-batch and weights those. A record
+    with weight 0, a non-finite or a zero norm (a null record included) contributes exact zeros;
+    a sum that is still not finite (or a null element whose gradient is not) raises
+    :class:`NonFiniteSumError`. Memory is bounded by one chunk.
+    """
+    check_model(model)
+    chunk_size = _chunk_size(chunk_size)
+    dev = torch.device(device)
+    model = _on_device(model, dev)
+    n = len(source)
+    norms_out = torch.empty(n, dtype=torch.float64)
+    leaves, buffers = _leaves(model, dev)
+    offsets: dict[str, tuple[int, int]] = {}
+    for name, p in leaves.items():
+        offsets[name] = (sum(size for _, size in offsets.values()), p.numel())
+    total = torch.zeros(sum(size for _, size in offsets.values()), dtype=torch.float64, device=dev)
+
+    def add(name: str, grad: torch.Tensor) -> None:
+        offset, size = offsets[name]
+        total[offset : offset + size] += grad.reshape(-1).double()
+
+    full_names = {id(p): name for name, p in model.named_parameters()}
+    try:
+        capture: _Capture | None = _Capture(_hooked_modules(model))
+    except _Unsupported:
+        capture = None
+    owned = {
+        (id(m), local): full_names[id(p)]
+        for m in (capture.modules if capture else [])
+        for local, p in m.named_parameters(recurse=False)
+    }
+    handles = [m.register_forward_hook(capture.hook, with_kwargs=True) for m in capture.modules] if capture else []
+    weigh = _Weigher(weights, n, dev)
+    try:
+        start = 0
+        first = True
+        for xb, yb in source.batches(chunk_size):
+            x, y, usable = _chunk_tensors(xb, yb, None, valid=valid, device=dev)
+            if first:  # data-independent: the null element at these parameters
+                _check_null_element(model, loss_fn, leaves, buffers, x[:1], y[:1])
+            norms = None
+            if capture is not None:
+                try:
+                    sq, captured = _hooked_chunk(model, loss_fn, capture, leaves, buffers, x, y, usable, check=first)
+                except _Unsupported:
+                    if not first:  # the structure of the forward changed from chunk to chunk
+                        raise
+                    capture = None
+                else:
+                    norms = sq.sqrt()
+                    w, keep = weigh(start, norms)
+                    for m, a, g in captured:
+                        for local, grad in _layer_sum(m, a, g, w, keep).items():
+                            add(owned[(id(m), local)], grad)
+                    del captured
+            if norms is None:
+                norms = _fallback_chunk(model, loss_fn, x, y, usable, weigh, start, add)
+            norms_out[start : start + len(norms)] = norms.detach().cpu()
+            start += len(norms)
+            first = False
+    finally:
+        for h in handles:
+            h.remove()
+    if start != n or weigh.next != n:
+        raise ValueError(f"source: expected {n} records from batches(), got {start}")
+    out = total.cpu().numpy()
+    if not np.isfinite(out).all():
+        raise NonFiniteSumError(f"the clipped gradient sum over {len(offsets)} tensors is not finite")
+    return norms_out.numpy(), out, "hooks" if capture is not None else "fallback"
+
+
+# -- pass 2 of the two-pass path (the reference; Contributions.weighted_sum) -------------------------
 
 
 def weighted_gradient_sum(
@@ -481,7 +746,7 @@ def weighted_gradient_sum(
     chunk_size: int = 1024,
     device: str = "cpu",
 ) -> NDArray[np.float64]:
-    """Pass 2: sum_i weights_i g_i, float64 (d,), one weighted backward pass per chunk.
+    """The two-pass path's second pass: sum_i weights_i g_i, float64 (d,), one weighted backward pass per chunk.
 
     A record outside ``keep`` (and any null record) is the null element: zero features, label 0,
     weight 0, by the same torch.where on every record. Raises :class:`NonFiniteSumError` if the
@@ -629,11 +894,15 @@ class RowContributions:
 
 
 class StreamedGradients:
-    """Per-record gradients of ``loss_fn`` streamed from ``source``: pass 1 in :meth:`norms`, 2 in :meth:`weighted_sum`.
+    """Per-record gradients of ``loss_fn`` streamed from ``source``.
+
+    :meth:`clipped_sum` is the fused pass (norms and the weighted sum in one pass; what
+    Agent.release runs), after which :meth:`norms` is free. The two-pass path stays: :meth:`norms`
+    alone runs the norms pass, :meth:`weighted_sum` a weighted backward pass.
 
     Privacy note: :meth:`scale` charges norm * scale * (1 + NORM_REL_ERROR) >= the norm of what
-    pass 2 adds for the record; a record whose norm is not finite or is 0 is the null element in
-    pass 2, so nothing contributes that was not charged.
+    the sum adds for the record; a record whose norm is not finite or is 0 contributes exact
+    zeros, so nothing contributes that was not charged.
     """
 
     norm_rel_error = NORM_REL_ERROR
@@ -673,10 +942,41 @@ class StreamedGradients:
         norms = self.norms()
         return np.isfinite(norms) & (norms > 0.0)
 
+    @staticmethod
+    def charged_norms(norms: NDArray[np.float64], scales: NDArray[np.float64]) -> NDArray[np.float64]:
+        """The norms to charge for records of ``norms`` scaled by ``scales``: norm * scale * (1 + E), 0 if not sendable.
+
+        Elementwise, so a run of records gets exactly the values the whole array would: the fused
+        pass's weights (:meth:`clipped_sum`) and the charge (:meth:`scale`) are computed alike.
+        """
+        norms = np.asarray(norms, dtype=np.float64)
+        ok = np.isfinite(norms) & (norms > 0.0)
+        kept = np.where(ok, np.asarray(scales, dtype=np.float64), 0.0)
+        return np.where(ok, norms, 0.0) * kept * (1.0 + NORM_REL_ERROR)
+
     def scale(self, scales: NDArray[np.float64]) -> NDArray[np.float64]:
         ok = self._sendable()
         self._scales = np.where(ok, np.asarray(scales, dtype=np.float64), 0.0)
-        return np.where(ok, self.norms(), 0.0) * self._scales * (1.0 + NORM_REL_ERROR)
+        return self.charged_norms(self.norms(), scales)
+
+    def clipped_sum(self, weights: WeightsFn) -> NDArray[np.float64]:
+        """The fused pass (:func:`fused_clipped_sum`): sum_i w_i g_i, w from ``weights``; then :meth:`norms` is free.
+
+        This is how :meth:`client_agent.agent.Agent.release` uses record gradients: the filter's
+        decision for a record depends only on its own norm and its state before the request, so
+        ``weights`` decides it chunk by chunk, and the charge, computed afterwards from
+        :meth:`norms` and :meth:`scale` over all records, must record exactly those weights.
+        """
+        self._norms, total, self.method = fused_clipped_sum(
+            self.model,
+            self.loss_fn,
+            self.source,
+            weights,
+            valid=self.valid,
+            chunk_size=self.chunk_size,
+            device=self.device,
+        )
+        return total
 
     def weighted_sum(self, weights: NDArray[Any]) -> NDArray[np.float64]:
         scales = np.ones(self.n_units) if self._scales is None else self._scales
@@ -707,7 +1007,9 @@ __all__ = [
     "RecordSource",
     "RowContributions",
     "StreamedGradients",
+    "WeightsFn",
     "contributions_of",
+    "fused_clipped_sum",
     "record_norms",
     "weighted_gradient_sum",
 ]

@@ -77,13 +77,13 @@ def gradient_contributions(
 ) -> Contributions:
     """The request's per-unit gradients as the release kernel uses them.
 
-    ``record`` units: :class:`client_agent.streaming.StreamedGradients` over ``source``, two passes
-    over the records, memory bounded by a chunk, never an (n, d) matrix. ``client`` units: the one
-    materialised row of :func:`gradient_rows`.
+    ``record`` units: :class:`client_agent.streaming.StreamedGradients` over ``source``, one fused
+    pass over the records, memory bounded by a chunk, never an (n, d) matrix. ``client`` units: the
+    one row of :func:`client_gradient_row`, with the workload's loss and validity rule.
 
     Privacy note: the null element as in :func:`gradient_rows`: a record the workload's ``valid``
     rule rejects (a feature that is not finite, a label outside the model's classes) has zero
-    features, target 0 and weight 0 in both passes, so it contributes exactly zero and pays nothing.
+    features, target 0 and weight 0, so it contributes exactly zero and pays nothing.
     """
     registry = workload if workload is not None else BUILTIN
     model = _loaded_model(

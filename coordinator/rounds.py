@@ -50,9 +50,9 @@ from coordinator.transport import RoundReplies, Transport
 from protocol import messages as wire
 from protocol.filters import GaussianFilter, rounds_within
 from protocol.models import flatten_parameters
-from protocol.workload import layout_fingerprint
 from protocol.releases import tree_levels
 from protocol.validate import PrivacyParameterError
+from protocol.workload import layout_fingerprint
 
 Evaluate = Callable[[np.ndarray], dict[str, float]]
 
@@ -134,6 +134,9 @@ def _accepted(status: dict[str, Any]) -> dict[str, Any]:
         raise wire.ProtocolError(f"status reply: ledger 'delta' must be in (0, 1), got {ledger['delta']!r:.80}")
     if "workload" in status:
         _described_workload(status["workload"])
+    layout = status.get("layout", {})
+    if not isinstance(layout, dict) or not isinstance(layout.get("fingerprint", ""), str | None):
+        raise wire.ProtocolError(f"status reply: 'layout' must be an object with a fingerprint, got {layout!r:.80}")
     policy = status.get("policy", {})
     if not isinstance(policy, dict):
         raise wire.ProtocolError(f"status reply: expected a 'policy' object, got {policy!r:.80}")
@@ -226,7 +229,11 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
     cause in ``excluded``; error replies are counted by code name, never by the client's text.
     """
     nodes = transport.node_ids(cfg.num_nodes, timeout=cfg.enrol_timeout)
-    payloads = {node: wire.encode_request(wire.StatusRequest(f"{cfg.run_id}:status", cfg.run_id, 0)) for node in nodes}
+    # A run that sends a model asks each client for that model's parameter layout as its workload builds it.
+    uses_model = cfg.task == "gradient" or bool(cfg.plateau_every)
+    named = (cfg.model, cfg.canonical_model_args) if uses_model else (None, None)
+    status_request = wire.StatusRequest(f"{cfg.run_id}:status", cfg.run_id, 0, *named)
+    payloads = {node: wire.encode_request(status_request) for node in nodes}
     got = transport.send(wire.STATUS, payloads, timeout=cfg.round_timeout)
     excluded: Counter[str] = Counter(got.errors)
     if got.missing:
@@ -247,6 +254,7 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
     if not statuses:
         raise EnrolmentError(f"no client enrolled: {dict(excluded)}")
     mismatches: list[str] = []
+    want_layout = model_layout(cfg) if uses_model else None
     for status in statuses.values():
         ledger = status["ledger"]
         for key, want in (("trust", cfg.trust), ("unit", cfg.unit)):
@@ -257,6 +265,11 @@ def enrol(transport: Transport, cfg: CoordinatorConfig) -> Enrolment:
             mismatches.append(why)
         if "workload" in status:
             mismatches.extend(_workload_matches(cfg, status["workload"]))
+        if uses_model and "workload" in status and status.get("layout", {}).get("fingerprint") != want_layout:
+            mismatches.append(
+                f"model {cfg.model!r} with {cfg.model_args} asked; a client's workload builds it with another "
+                "parameter layout (names, shapes, dtypes)"
+            )
     if mismatches:
         raise EnrolmentError("the clients did not accept this run: " + "; ".join(sorted(set(mismatches))))
     ledgers = [s["ledger"] for s in statuses.values()]

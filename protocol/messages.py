@@ -383,7 +383,15 @@ class SecaggUnmaskRequest(RequestBase):
 
 @dataclass(frozen=True, eq=False)
 class StatusRequest(RequestBase):
-    """What the client accepts: its filter, target, unit, trust and policy (public configuration, no spend)."""
+    """What the client accepts: its filter, target, unit, trust and policy (public configuration, no spend).
+
+    With ``model`` and ``model_args`` (both or neither), the reply also gives the parameter layout
+    fingerprint of that model as the client's workload builds it (names, shapes, dtypes: no data),
+    so that enrolment can check every client reads the run's flat parameter vector the same way.
+    """
+
+    model: str | None = None
+    model_args: str | None = None
 
 
 Request = (
@@ -480,8 +488,11 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
         return MonitorRequest(
             **_base(config, kind), trust=_str(config, "trust", kind, choices=TRUST_MODES), **masked, **noise
         )
-    _no_extra(config, arrays, kind, _BASE_KEYS, set())
-    return StatusRequest(**_base(config, kind))
+    _no_extra(config, arrays, kind, _BASE_KEYS | {"model", "model_args"}, set())
+    if ("model" in config) != ("model_args" in config):
+        raise ProtocolError(f"{kind}: expected 'model' and 'model_args' together or neither, got one")
+    named = {"model": _str(config, "model", kind), "model_args": _model_args(config, kind)} if "model" in config else {}
+    return StatusRequest(**_base(config, kind), **named)
 
 
 def _uint8_table(arrays: Mapping[str, Any], key: str, kind: str, *, rows: int | None, width: int) -> NDArray[np.uint8]:

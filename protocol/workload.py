@@ -201,9 +201,7 @@ class Workload:
 
     def query(self, name: str) -> Query:
         if name not in self.queries:
-            raise WorkloadError(
-                f"query: expected one of {sorted(self.queries)} (workload {self.name!r}), got {name!r}"
-            )
+            raise WorkloadError(f"query: expected one of {sorted(self.queries)} (workload {self.name!r}), got {name!r}")
         return self.queries[name]
 
     def build_model(self, name: str, *, seed: int | Any = 0, **params: object) -> nn.Module:
@@ -317,3 +315,17 @@ def layout_fingerprint(model: nn.Module) -> str:
     for name, p in model.named_parameters():
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
     return h.hexdigest()
+
+
+def model_layout(workload: Workload, name: str, model_args: str) -> str | None:
+    """The layout fingerprint of model ``name`` with JSON ``model_args`` as ``workload`` builds it, on the
+    meta device (nothing allocated); None when the workload does not register it or cannot build it."""
+    import json
+
+    import torch
+
+    try:
+        with torch.device("meta"):
+            return layout_fingerprint(workload.build_model(name, **json.loads(model_args)))
+    except (WorkloadError, ValueError, TypeError):
+        return None

@@ -156,9 +156,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
             "PNG plots and the clients' ledgers to --out. Options left out keep the preset's values."
         ),
     )
-    p.add_argument(
-        "--preset", choices=sorted(PRESETS), help="default: quickstart (workload when --workload is given)"
-    )
+    p.add_argument("--preset", choices=sorted(PRESETS), help="default: quickstart (workload when --workload is given)")
     p.add_argument(
         "--workload",
         help="a workload 'package.module:object' (protocol/workload.py) with a demo hook: the agents and the "

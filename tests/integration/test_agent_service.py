@@ -337,3 +337,27 @@ def test_a_socket_path_over_the_unix_limit_is_a_clear_error(tmp_path: Path) -> N
     long_path = tmp_path / ("s" * (MAX_SOCKET_PATH + 1 - len(str(tmp_path)))) / "agent.sock"
     with pytest.raises(ServiceError, match=f"expected a path of at most {MAX_SOCKET_PATH} bytes"):
         claim_socket_path(long_path)
+
+
+def test_the_service_answers_a_users_own_workload(tmp_path: Path) -> None:
+    """A deployed agent on the example workload (examples/gn_regression: its own model, loss, dataset
+    class and histogram query), through the proxy's wire, with no change to fedfilter."""
+    from examples.gn_regression import workload as example
+    from protocol.models import parameter_count
+    from tests.workload_fixtures import histogram, model_request, write_agent
+
+    toml = write_agent(tmp_path, **{"agent-socket": str(tmp_path / "agent.sock")})
+    proc = start(toml)
+    try:
+        wait_for_socket(proc, tmp_path / "agent.sock")
+        described = status(tmp_path / "agent.sock")["workload"]
+        assert described["name"] == "gn_regression" and described["models"] == ["gn_cnn"]
+        code, reason, config, arrays = forward(str(tmp_path / "agent.sock"), wire.GRADIENT, *model_request())
+        assert code == 0, reason
+        d = parameter_count(example.WORKLOAD.build_model("gn_cnn", outputs=2))
+        assert wire.ContributionReply.decode(config, arrays).total.shape == (d,)  # the gradient of its model
+        code, reason, config, arrays = forward(str(tmp_path / "agent.sock"), wire.INDICATOR, *histogram())
+        assert code == 0, reason
+        assert wire.ContributionReply.decode(config, arrays).total.shape == (8,)  # one bin per histogram cell
+    finally:
+        assert stop(proc)[0] == 0

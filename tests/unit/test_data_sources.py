@@ -93,7 +93,7 @@ def test_npy_pair_is_memory_mapped_not_loaded_whole(tmp_path: Path) -> None:
     assert source.fingerprint() == _sha(tmp_path / "x.npy", tmp_path / "y.npy")
     assert isinstance(materialise(source)[0], np.memmap)  # the transitional x stays mapped
     (tmp_path / "y.npy").unlink()
-    with pytest.raises(ValueError, match="expected x.npy and y.npy, found no file y.npy"):
+    with pytest.raises(ValueError, match=r"expected x\.npy and y\.npy, found no file y\.npy"):
         NpyPairSource(tmp_path)
 
 

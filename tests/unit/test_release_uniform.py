@@ -12,11 +12,14 @@ code:
 - the numpy memory the computation allocates at its peak (``tracemalloc``): an extra copy of
   the rows, or index arrays as long as the stopped set, change it;
 - the sequence of torch operators with their argument shapes and dtypes (a ``TorchDispatchMode``
-  log, backward included): record-unit gradients are streamed (client_agent.streaming: a norms
-  pass, then a weighted backward pass per chunk, run inside ``Agent.release``), and a pass that
-  skipped stopped records, selected the admitted ones or branched per chunk would change the
-  operators or their shapes. Torch's own allocations are not seen by ``tracemalloc``; the shapes
-  of every operator's arguments bound them instead.
+  log, backward included): record-unit gradients are streamed in one fused pass per chunk
+  (client_agent.streaming.fused_clipped_sum, run inside ``Agent.release``: forward, backward to
+  the layers' outputs, norms, the filter's weights for the chunk, the weighted parameter gradients
+  from the same activations and backprops), and a pass that skipped stopped records, selected the
+  admitted ones or branched per chunk would change the operators or their shapes. Torch's own
+  allocations are not seen by ``tracemalloc``; the shapes of every operator's arguments bound
+  them instead. Beyond the agent's logistic regression, the fused pass is traced directly on every
+  kind of layer (convolutions, embedding, normalisation, a custom leaf, the whole-model fallback).
 """
 
 from __future__ import annotations
@@ -286,3 +289,101 @@ def test_op_witness_sees_a_pass_that_skips_stopped_records() -> None:
     some, half = np.ones(16), np.where(np.arange(16) % 2 == 0, 1.0, 0.0)
     assert torch_ops(skipping(some)) != torch_ops(skipping(half))
     assert torch_ops(uniform(some)) == torch_ops(uniform(half))
+
+
+class _Scale(torch.nn.Module):
+    """A custom leaf with its own parameter (the torch.func path of the fused pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = torch.nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.alpha)
+
+
+class _Tempered(torch.nn.Module):
+    """A parameter the hooks cannot see: the whole-model fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+        self.temperature = torch.nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.temperature
+
+
+class _Tokens(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 4, padding_idx=0)
+        self.seq = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.seq(self.emb(x))).mean(dim=1))
+
+
+def _fused_models() -> dict[str, tuple[torch.nn.Module, np.ndarray]]:
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    convs = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1),  # explicit
+        torch.nn.GroupNorm(2, 4),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(4, 16, 3, stride=2),  # L = 1: Gram
+        torch.nn.Flatten(),
+        torch.nn.Unflatten(1, (4, 4)),
+        torch.nn.Conv1d(4, 4, 2),  # explicit
+        torch.nn.Flatten(),
+        torch.nn.Linear(12, 4),
+        _Scale(),
+        torch.nn.Linear(4, 3),
+    )
+    return {
+        "convs": (convs, rng.normal(size=(16, 1, 4, 4)).astype(np.float32)),
+        "tokens": (_Tokens(), rng.integers(0, 20, size=(16, 5))),
+        "fallback": (_Tempered(), rng.normal(size=(16, 4, 4)).astype(np.float32)),
+    }
+
+
+def _fused_run(model: torch.nn.Module, x: np.ndarray, stopped: np.ndarray) -> Callable[[], object]:
+    from client_agent.streaming import ArraySource, fused_clipped_sum
+
+    y = np.arange(len(x)) % 3
+    loss = torch.nn.CrossEntropyLoss(reduction="none")
+
+    def weights(start: int, norms: np.ndarray) -> np.ndarray:
+        scale = np.minimum(1.0, 0.5 / np.where(norms > 0, norms, 1.0))  # partial clipping: from the norm
+        return np.where(stopped[start : start + norms.size], 0.0, scale)
+
+    return lambda: fused_clipped_sum(model, loss, ArraySource(x, y), weights, chunk_size=8)
+
+
+@pytest.mark.parametrize("name", ["convs", "tokens", "fallback"])
+def test_fused_pass_work_does_not_depend_on_who_stopped(name: str) -> None:
+    model, x = _fused_models()[name]
+    n = len(x)
+    patterns = [np.zeros(n, dtype=np.bool_), np.arange(n) % 2 == 0, np.ones(n, dtype=np.bool_)]
+    witnesses = [witness(_fused_run(model, x, stopped)) for stopped in patterns]
+    for other in witnesses[1:]:
+        assert_same_work(witnesses[0], other)
+
+
+def test_op_witness_sees_a_fused_pass_that_skips_stopped_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator witness has power over the fused pass: layer sums over the admitted records only are caught."""
+    from client_agent import streaming
+
+    model, x = _fused_models()["convs"]
+    none, half = np.zeros(len(x), dtype=np.bool_), np.arange(len(x)) % 2 == 0
+    assert torch_ops(_fused_run(model, x, none)) == torch_ops(_fused_run(model, x, half))
+    real = streaming._layer_sum
+
+    def skipping(m: torch.nn.Module, a: torch.Tensor, g: torch.Tensor, w: torch.Tensor, keep: torch.Tensor) -> Any:
+        idx = torch.nonzero(keep).reshape(-1)  # a branch on who is admitted: select them
+        return real(m, a[idx], g[idx], w[idx], keep[idx])
+
+    monkeypatch.setattr(streaming, "_layer_sum", skipping)
+    assert torch_ops(_fused_run(model, x, none)) != torch_ops(_fused_run(model, x, half))

@@ -1,9 +1,12 @@
 """The streaming per-record gradient engine against the slow materialising path (client_agent.gradients).
 
-Each fast path (ghost norms for Linear on 2-D and sequence inputs, Conv1d/Conv2d, Embedding; the
-torch.func path for LayerNorm, GroupNorm and a custom leaf; the whole-model fallback) is checked
-against ``per_example_gradients`` (vmap(grad), one row per record): norms and clipped sums to 1e-5
-relative, and the observed norm error far below the declared NORM_REL_ERROR.
+Each fast path (ghost norms for Linear on 2-D and sequence inputs, Conv1d/Conv2d by Gram and
+explicitly, Embedding; the torch.func path for LayerNorm, GroupNorm and a custom leaf; the
+whole-model fallback) is checked against ``per_example_gradients`` (vmap(grad), one row per
+record): norms and clipped sums to 1e-5 relative, and the observed norm error far below the
+declared NORM_REL_ERROR. The fused pass (``fused_clipped_sum``: norms, weights and the weighted sum
+from one forward and one backward) is checked on every case against the same loop and against the
+two-pass sum, with weights that depend on each record's norm (partial clipping) and stopped records.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import functools
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from client_agent import streaming
 from client_agent.gradients import per_example_gradients
 from client_agent.streaming import (
     NORM_REL_ERROR,
@@ -27,6 +32,7 @@ from client_agent.streaming import (
     NonFiniteSumError,
     RowContributions,
     StreamedGradients,
+    fused_clipped_sum,
     record_norms,
     weighted_gradient_sum,
 )
@@ -71,19 +77,20 @@ class Convs(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.c1 = nn.Conv2d(2, 8, 3, padding=1)  # L = 64: 4096 > 144, explicit
+        # Gram when 2 L (C k + C_out) <= C_out C k (client_agent.streaming._conv_sq), else explicit.
+        self.c1 = nn.Conv2d(2, 8, 3, padding=1)  # L = 64: 2 * 64 * 26 > 144, explicit
         self.gn = nn.GroupNorm(2, 8)
-        self.c2 = nn.Conv2d(8, 8, 3, stride=2)  # L = 9: 81 <= 576, Gram
-        self.c3 = nn.Conv1d(8, 4, 3, stride=1, dilation=2, padding=1)  # L = 7: 49 <= 96, Gram
-        self.c4 = nn.Conv1d(4, 2, 2, stride=2, dilation=2, padding=2)  # L = 5: 25 > 16, explicit
-        self.c5 = nn.Conv1d(4, 2, 2, dilation=3, padding=1)  # L = 6: 36 > 16, explicit
+        self.c2 = nn.Conv2d(8, 32, 3, stride=2)  # L = 9: 2 * 9 * 104 <= 2304, Gram
+        self.c3 = nn.Conv1d(32, 32, 3, stride=1, dilation=2, padding=1)  # L = 7: 2 * 7 * 128 <= 3072, Gram
+        self.c4 = nn.Conv1d(32, 2, 2, stride=2, dilation=2, padding=2)  # L = 5: 2 * 5 * 66 > 128, explicit
+        self.c5 = nn.Conv1d(32, 2, 2, dilation=3, padding=1)  # L = 6: 2 * 6 * 66 > 128, explicit
         self.act = Affine(2)
         self.head = nn.Linear(2 * (5 + 6), 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.gn(self.c1(x)))
-        h = torch.relu(self.c2(h))  # (b, 8, 3, 3)
-        h = self.c3(h.flatten(2))  # (b, 4, 7)
+        h = torch.relu(self.c2(h))  # (b, 32, 3, 3)
+        h = self.c3(h.flatten(2))  # (b, 32, 7)
         h = torch.cat([self.c4(h), self.c5(h)], dim=2)  # (b, 2, 5 + 6)
         h = self.act(h.transpose(1, 2)).transpose(1, 2)
         return self.head(h.flatten(1))
@@ -169,6 +176,166 @@ def test_norms_and_clipped_sum_match_the_per_example_loop(case: str) -> None:
     scales = np.minimum(1.0, 0.5 * np.median(want) / want)  # about half the records clipped
     total = weighted_gradient_sum(model, LOSS, ArraySource(x, y), scales, chunk_size=5)
     assert rel(total, (rows * torch.from_numpy(scales)[:, None]).sum(0).numpy()) <= 1e-5
+
+
+def clipping_weights(
+    bound: float, stopped: np.ndarray, seen: list[tuple[int, int]] | None = None
+) -> Callable[[int, np.ndarray], np.ndarray]:
+    """Partial clipping's weights: min(1, bound / norm) from each record's own norm, 0 for a stopped record."""
+
+    def weights(start: int, norms: np.ndarray) -> np.ndarray:
+        if seen is not None:
+            seen.append((start, norms.size))
+        scale = np.minimum(1.0, bound / np.where(norms > 0, norms, 1.0))
+        return np.where(stopped[start : start + norms.size], 0.0, scale)
+
+    return weights
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_fused_pass_matches_the_per_example_loop_and_the_two_pass_sum(case: str) -> None:
+    model, x, y, method = CASES[case]
+    rows = reference_rows(model, x, y)
+    want = rows.norm(dim=1).numpy()
+    stopped = np.arange(len(x)) % 4 == 1
+    seen: list[tuple[int, int]] = []
+    weights = clipping_weights(float(np.median(want)), stopped, seen)  # about half clipped
+    norms, total, used = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=5)
+    assert used == method
+    # Every record asked once, in order, in consecutive runs (chunks, or the fallback's sub-batches).
+    assert [start for start, _ in seen] == list(np.cumsum([0] + [size for _, size in seen])[:-1])
+    assert sum(size for _, size in seen) == len(x)
+    # The same norms as the norms-only pass (the same operations on the same (a, g)).
+    np.testing.assert_array_equal(norms, record_norms(model, LOSS, ArraySource(x, y), chunk_size=5)[0])
+    assert np.max(np.abs(norms - want) / want) <= NORM_REL_ERROR / 100
+    w = weights(0, norms)
+    assert np.all(w[stopped] == 0.0) and np.any((w > 0.0) & (w < 1.0)) and np.any(w == 1.0)
+    assert rel(total, (rows * torch.from_numpy(w)[:, None]).sum(0).numpy()) <= 1e-5
+    two_pass = weighted_gradient_sum(model, LOSS, ArraySource(x, y), w, chunk_size=5)
+    assert rel(total, two_pass) <= 1e-5
+
+
+@pytest.mark.parametrize("case", ["convs", "tokens", "mnist-cnn"])
+def test_the_fused_pass_does_not_depend_on_chunks_or_blocks(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x, y, _ = CASES[case]
+    weights = clipping_weights(0.1, np.arange(len(x)) % 3 == 0)
+    base_n, base_s, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=len(x))
+    for chunk, block in ((1, 1 << 19), (4, 1), (7, 1000)):
+        monkeypatch.setattr(streaming, "_BLOCK_FLOATS", block)  # 1: one record per block of the conv norms
+        n, total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=chunk)
+        np.testing.assert_allclose(n, base_n, rtol=1e-6)
+        assert rel(total, base_s) <= 1e-6
+
+
+def test_the_fused_pass_gives_stopped_records_exact_zeros_whatever_their_data() -> None:
+    model, x, y, _ = CASES["convs"]
+    stopped = np.zeros(len(x), dtype=np.bool_)
+    stopped[[0, 3, 8]] = True
+    weights = clipping_weights(0.2, stopped)
+    _, total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=5)
+    x2, y2 = x.copy(), y.copy()
+    x2[stopped] = np.random.default_rng(9).normal(size=x2[stopped].shape) * 100
+    y2[stopped] = (y2[stopped] + 1) % 3
+    _, total2, _ = fused_clipped_sum(model, LOSS, ArraySource(x2, y2), weights, chunk_size=5)
+    assert np.array_equal(total2, total)
+    keep = np.flatnonzero(~stopped)
+    rows = reference_rows(model, x[keep], y[keep])
+    w = np.minimum(1.0, 0.2 / rows.norm(dim=1).numpy())
+    assert rel(total, (rows * torch.from_numpy(w)[:, None]).sum(0).numpy()) <= 1e-5
+
+
+def test_the_fused_pass_null_records_and_overflow_contribute_exactly_zero() -> None:
+    model, x, y, _ = CASES["mlp+layernorm"]
+    x, y = x.copy(), y.copy()
+    x[2, 1] = np.nan
+    y[5] = 7  # not a class of this 3-class model
+
+    def valid(xt: torch.Tensor, yt: torch.Tensor) -> torch.Tensor:
+        return (yt >= 0) & (yt < 3)
+
+    def ones(start: int, norms: np.ndarray) -> np.ndarray:
+        return np.ones(norms.size)  # even for the null records: the engine keeps them zero
+
+    norms, total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), ones, valid=valid, chunk_size=4)
+    assert norms[2] == 0.0 and norms[5] == 0.0 and np.all(np.delete(norms, [2, 5]) > 0)
+    keep = np.delete(np.arange(len(x)), [2, 5])
+    assert np.isfinite(total).all() and rel(total, reference_rows(model, x[keep], y[keep]).sum(0).numpy()) <= 1e-5
+
+    lin = nn.Sequential(nn.Linear(3, 2))
+    with torch.no_grad():
+        lin[0].weight.zero_()
+        lin[0].bias.zero_()
+        lin[0].weight[0, 0] = 3e38
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(9, 3)).astype(np.float32)
+    x[:, 0] = np.abs(x[:, 0]) * 0.001
+    x[4, 0] = 10.0  # logit +inf: its gradient is NaN
+    y = rng.integers(0, 2, 9)
+    norms, total, _ = fused_clipped_sum(lin, LOSS, ArraySource(x, y), ones, chunk_size=4)
+    assert not np.isfinite(norms[4]) and np.isfinite(np.delete(norms, 4)).all()
+    keep = np.delete(np.arange(9), 4)
+    assert np.isfinite(total).all() and rel(total, reference_rows(lin, x[keep], y[keep]).sum(0).numpy()) <= 1e-5
+
+
+def test_the_fused_pass_refuses_a_non_finite_null_element_and_bad_weights() -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    x, y = np.ones((4, 3), np.float32), np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match="weights: expected 4 finite values"):
+        fused_clipped_sum(model, LOSS, ArraySource(x, y), lambda start, norms: np.full(norms.size, np.nan))
+    with torch.no_grad():
+        model[0].bias[0] = float("inf")
+    with pytest.raises(NonFiniteSumError, match="null element"):
+        fused_clipped_sum(model, LOSS, ArraySource(x, y), lambda start, norms: np.ones(norms.size))
+
+
+def test_the_fused_release_charges_what_it_sums(tmp_path: Path) -> None:
+    """Agent.release on streamed gradients (fused) against the same release on the materialised rows."""
+    from client_agent.agent import Agent
+    from client_agent.config import parse_agent_config
+    from protocol import messages as wire
+
+    rng = np.random.default_rng(4)
+    n, features = 40, 6
+    x = rng.normal(size=(n, features)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    x[7, 1], y[9] = np.nan, 5  # null records
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    cfg = {
+        "ledger-path": str(tmp_path / "ledger.sqlite"),
+        "data-path": str(tmp_path / "data.npz"),
+        "epsilon": 1.0,
+        "delta": 1e-5,
+        "unit": "record",
+        "trust": "central",
+    }
+    agent = Agent(parse_agent_config(cfg, simulation=True))
+    args = f'{{"in_features": {features}, "n_classes": 2}}'
+    params = rng.normal(size=features * 2 + 2).astype(np.float32)
+    request = wire.GradientRequest("r1", "run", 1, 0.4, 0.3, "central", "record", "logreg", args, params)
+    assert agent.gaussian is not None
+    threshold = agent.gaussian.threshold
+    state = agent.ledger.state()
+    spent = rng.random(n) * threshold * 0.5
+    spent[:12] = threshold * (1 - rng.random(12) * 1e-3)  # near the end: partial clips below the norms
+    stopped = np.arange(n) % 5 == 0
+    state = state | {"spent": np.where(stopped, threshold, spent), "stopped": stopped}
+    streamed = agent.contributions(request)
+    assert isinstance(streamed, StreamedGradients)
+    reply, new_state, release = agent.release(request, streamed, state)
+    from client_agent.workloads import gradient_rows
+
+    rows = gradient_rows(request, x, y, unit="record")
+    reply_rows, state_rows, release_rows = agent.release(request, rows, state)
+    charged = release["l2_norms"] > 0
+    assert np.array_equal(charged, release_rows["l2_norms"] > 0)
+    assert not charged[stopped].any() and not charged[[7, 9]].any()
+    assert charged.sum() >= n // 2
+    partial = charged & (release["l2_norms"] < 0.3 * 0.99)
+    assert partial[:12].any()  # some units spent their exact remainder
+    np.testing.assert_allclose(release["l2_norms"], release_rows["l2_norms"], rtol=2 * NORM_REL_ERROR)
+    assert np.all(new_state["spent"] <= threshold) and np.array_equal(new_state["stopped"], state_rows["stopped"])
+    assert rel(reply.total.astype(np.float64), reply_rows.total.astype(np.float64)) <= 1e-4
+    agent.close()
 
 
 def test_the_charge_is_never_below_the_clipped_norm() -> None:
@@ -287,8 +454,8 @@ x = np.random.default_rng(0).normal(size=(n, 256)).astype(np.float32)
 y = np.random.default_rng(1).integers(0, 10, n)
 loss = functools.partial(F.cross_entropy, reduction="none")
 units = StreamedGradients(model, loss, ArraySource(x, y), chunk_size=256)
+units.clipped_sum(lambda start, norms: np.minimum(1.0, 1.0 / norms))  # the fused pass, as Agent.release runs it
 units.scale(np.minimum(1.0, 1.0 / units.norms()))
-units.weighted_sum(np.ones(n, dtype=bool))
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024 - x.nbytes // 2**20)
 """
 
@@ -297,8 +464,11 @@ def test_memory_is_bounded_by_the_chunk_not_by_the_records() -> None:
     """Peak RSS (less the data) of a fresh process at n = 1,000 and 20,000: (n, d) rows would be 0.4 and 8 GB."""
     env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", PYTHONPATH=str(ROOT))
     peaks = [
-        int(subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(n)], env=env, capture_output=True, text=True,
-                           check=True).stdout.split()[-1])
+        int(
+            subprocess.run(
+                [sys.executable, "-c", _MEMORY_PROBE, str(n)], env=env, capture_output=True, text=True, check=True
+            ).stdout.split()[-1]
+        )
         for n in (1_000, 20_000)
     ]
     assert peaks[1] - peaks[0] <= 64, peaks  # MiB; the materialised rows would add 7,800 MiB

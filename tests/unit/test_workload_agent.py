@@ -18,71 +18,9 @@ from coordinator.rounds import EnrolmentError, enrol
 from examples.gn_regression import workload as example
 from protocol import messages as wire
 from protocol.models import flatten_parameters
-from protocol.workload import WorkloadError, layout_fingerprint
+from protocol.workload import WorkloadError
 from simulations.inprocess import InProcessTransport
-
-REF = "examples.gn_regression.workload:WORKLOAD"
-RECORDS = 12
-
-
-def write_agent(tmp_path: Path, *, workload: str = REF, **extra: Any) -> Path:
-    x, y = example.make_records(RECORDS, seed=1)
-    example.write_records(tmp_path / "grid.f32", x, y)
-    lines = [
-        'data-path = "grid.f32"',  # relative to the TOML file, as the owner writes it
-        'ledger-path = "ledger.sqlite"',
-        "epsilon = 3.0",
-        "delta = 1e-5",
-        'unit = "record"',
-        'trust = "local"',
-        "policy-min-noise-std = 0.5",
-        f"workload = {json.dumps(workload)}",
-        *(f"{k} = {json.dumps(v)}" for k, v in extra.items()),
-    ]
-    path = tmp_path / "agent.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def deployed_agent(tmp_path: Path, **kw: Any) -> Agent:
-    return Agent(parse_agent_config({"agent-config": str(write_agent(tmp_path, **kw))}))
-
-
-def model_request(request_id: str = "g1", *, outputs: int = 2, layout_outputs: int | None = None, **fields: Any) -> Any:
-    model = example.WORKLOAD.build_model("gn_cnn", outputs=outputs)
-    with torch.device("meta"):
-        layout_model = example.WORKLOAD.build_model("gn_cnn", outputs=layout_outputs or outputs)
-    request = wire.GradientRequest(
-        request_id=request_id,
-        run_id="run",
-        round=1,
-        noise_std=1.0,
-        l2_clip=1.0,
-        trust="local",
-        unit="record",
-        model="gn_cnn",
-        model_args=json.dumps({"outputs": outputs}),
-        parameters=flatten_parameters(model),
-        layout=layout_fingerprint(layout_model),
-    )
-    config, arrays = wire.encode_request(request)
-    return config | fields, arrays
-
-
-def histogram(request_id: str = "q1", predicate: str = "target_histogram") -> Any:
-    request = wire.IndicatorRequest(
-        request_id=request_id,
-        run_id="run",
-        round=1,
-        noise_std=1.0,
-        l2_clip=1.0,
-        trust="local",
-        unit="record",
-        predicate=predicate,
-        column=0,
-        value=0.0,
-    )
-    return wire.encode_request(request)
+from tests.workload_fixtures import RECORDS, REF, deployed_agent, histogram, model_request, write_agent
 
 
 def test_status_describes_the_workload_by_names(tmp_path: Path) -> None:
@@ -201,4 +139,68 @@ def test_indicator_rows_read_the_workloads_query_over_the_source(tmp_path: Path)
     with pytest.raises(wire.ProtocolError, match="query 'column'"):
         other = wire.decode_request(wire.INDICATOR, *histogram("q2", "column"))
         indicator_rows(other, agent.source, unit="record", workload=agent.workload)  # type: ignore[arg-type]
+    agent.close()
+
+
+def test_the_device_key_is_checked_against_what_torch_sees(tmp_path: Path) -> None:
+    from client_agent.config import AgentConfigError
+
+    with pytest.raises(AgentConfigError, match="device: expected 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+        deployed_agent(tmp_path, device="gpu")
+    if torch.cuda.is_available():  # a GPU machine: the agent runs its engine there
+        agent = deployed_agent(tmp_path, device="cuda")
+        assert agent.config.device == "cuda"
+        outcome = agent.handle(wire.GRADIENT, *model_request())
+        assert not outcome.is_error, outcome.local_detail
+        agent.close()
+    else:
+        with pytest.raises(AgentConfigError, match="device: 'cuda' asked; torch sees no such CUDA device"):
+            deployed_agent(tmp_path, device="cuda")
+
+
+def test_enrolment_refuses_a_client_whose_model_has_another_parameter_layout(tmp_path: Path) -> None:
+    """The coordinator's and the client's workloads both register 'gn_cnn', built differently: enrolment
+    compares the layout fingerprints (names, shapes, dtypes) and refuses before any data is touched."""
+    import dataclasses
+
+    from examples.gn_regression import workload as example
+
+    agent = deployed_agent(tmp_path)
+    wider = dataclasses.replace(
+        example.WORKLOAD, models={"gn_cnn": lambda **kw: example.gn_cnn(channels=16, **kw)}
+    )  # the client's own build of the same name
+    object.__setattr__(agent, "workload", wider)
+    status = agent.handle(wire.STATUS, *wire.encode_request(wire.StatusRequest("s", "run", 0, "gn_cnn", "{}")))
+    layout = json.loads(status.config["description"])["layout"]  # type: ignore[index]
+    assert layout["model"] == "gn_cnn" and len(layout["fingerprint"]) == 64
+    cfg = CoordinatorConfig(
+        num_nodes=1,
+        n_public=RECORDS,
+        rounds=1,
+        noise_std=1.0,
+        l2_clip=1.0,
+        model="gn_cnn",
+        model_args="{}",
+        workload=REF,
+    )
+
+    class One:
+        def node_ids(self, count: int, *, timeout: float) -> list[int]:
+            return [0]
+
+        def send(self, message_type: str, payloads: dict, *, timeout: float) -> Any:
+            from coordinator.transport import RoundReplies
+
+            out = RoundReplies()
+            for node, (c, a) in payloads.items():
+                o = agent.handle(message_type, dict(c), dict(a))
+                out.replies[node] = (o.config, o.arrays)
+            return out
+
+    with pytest.raises(
+        EnrolmentError, match="model 'gn_cnn' with \\{\\} asked; a client's workload builds it with another"
+    ):
+        enrol(One(), cfg)  # type: ignore[arg-type]
+    object.__setattr__(agent, "workload", example.WORKLOAD)
+    assert enrol(One(), cfg).units_enrolled == RECORDS  # the same build: enrolled
     agent.close()

@@ -100,9 +100,9 @@ def test_model_factories_unknown_failing_or_not_a_module() -> None:
         TINY.build_model("x")
     with pytest.raises(WorkloadError, match=r"model 'lin': expected parameters \['width'\], got \['depth'\]"):
         TINY.build_model("lin", depth=2)
-    with pytest.raises(WorkloadError, match="model 'broken': the factory failed .*RuntimeError: out of cheese"):
+    with pytest.raises(WorkloadError, match=r"model 'broken': the factory failed .*RuntimeError: out of cheese"):
         TINY.build_model("broken")
-    with pytest.raises(WorkloadError, match="model 'odd': expected the factory to return a torch.nn.Module, got"):
+    with pytest.raises(WorkloadError, match=r"model 'odd': expected the factory to return a torch\.nn\.Module, got"):
         TINY.build_model("odd")
     with pytest.raises(WorkloadError, match=r"query: expected one of \[\] \(workload 'tiny'\), got 'column'"):
         TINY.query("column")
