@@ -258,6 +258,41 @@ def part_mnist(data_dir: Path, n: int, chunk_size: int, device: str, repeats: in
         f"speedup_vs_baseline={t_other / t_engine:.2f} cpu_time_speedup={c_other / c_engine:.2f} (goal >= 1.5) "
         f"baseline={name.split(' ')[0]}"
     )
+    if device == "cpu":
+        t_agent = agent_request(model, x_np, y_np, repeats)
+        print(
+            f"whole request through Agent.handle (decode, policy, engine, filter, ledger commit, reply): "
+            f"{t_agent:.2f} s; agent_request_over_plain={t_agent / t_plain:.2f}"
+        )
+
+
+def agent_request(model: nn.Module, x_np: np.ndarray, y_np: np.ndarray, repeats: int) -> float:
+    """The product's own path: one client agent holding every record (record units, local trust)
+    answers one gradient request for ``model``; the best of ``repeats`` fresh agents and ledgers."""
+    import tempfile
+
+    from client_agent.agent import Agent
+    from client_agent.config import parse_agent_config
+    from protocol import messages as wire
+    from protocol.models import flatten_parameters
+
+    root = Path(tempfile.mkdtemp(prefix="fedfilter-stream-bench-"))
+    np.savez(root / "data.npz", x=x_np, y=y_np)
+    request = wire.GradientRequest(
+        "r1", "bench", 1, 2.0, 1.0, "local", "record", "opacus_mnist_cnn", "{}", flatten_parameters(model)
+    )
+    best = float("inf")
+    for k in range(repeats):
+        node = {"ledger-path": str(root / f"ledger{k}.sqlite"), "data-path": str(root / "data.npz")}
+        agent = Agent(parse_agent_config(node | {"epsilon": 8.0, "delta": 1e-5, "unit": "record"}))
+        try:
+            start = time.perf_counter()
+            out = agent.handle(wire.GRADIENT, *wire.encode_request(request))
+            best = min(best, time.perf_counter() - start)
+            assert not out.is_error, out.local_detail
+        finally:
+            agent.close()
+    return best
 
 
 def main() -> None:
