@@ -41,7 +41,7 @@ from client_agent.streaming import Contributions, RowContributions, StreamedGrad
 from protocol import messages as wire
 from protocol import secagg as sa
 from protocol.filters import Charge, FilterState, charge, clip_scales, partial_clip, remaining
-from protocol.realisation import RealisationState, advance, decide, realised_loss
+from protocol.realisation import RealisationFilter, RealisationState, advance, decide, realised_loss
 from protocol.workload import (
     BUILTIN_REF,
     DataSource,
@@ -111,7 +111,9 @@ def fault_point(step: str) -> None:
 def pack_reply(config: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> bytes:
     """The exact bytes of a reply, as stored in the ledger and replayed."""
     buf = io.BytesIO()
-    np.savez(buf, __config__=np.frombuffer(json.dumps(config, sort_keys=True).encode(), dtype=np.uint8), **arrays)
+    header = np.frombuffer(json.dumps(config, sort_keys=True).encode(), dtype=np.uint8)
+    members: dict[str, Any] = {"__config__": header, **arrays}
+    np.savez(buf, **members)
     return buf.getvalue()
 
 
@@ -139,7 +141,7 @@ def load_client_data(
 
     Arrays of a memory-mapped source stay memory-mapped; other sources are read batch by batch.
     """
-    source = (workload or load_workload(BUILTIN_REF)).open_data(path)
+    source = (workload or load_workload(BUILTIN_REF)).open_data(os.fspath(path))
     x, y = materialise(source)
     return x, y, source.fingerprint()
 
@@ -205,7 +207,7 @@ class Agent:
         self.n_units = len(self.source) if config.unit == "record" else 1
         self._arrays: tuple[NDArray[Any], NDArray[Any]] | None = None
         if config.filter == "realisation":
-            self.realisation = config.realisation_filter()
+            self.realisation: RealisationFilter | None = config.realisation_filter()
             self.gaussian = None
             described = self.realisation.describe()
             initial = {
@@ -527,6 +529,7 @@ class Agent:
         # question about the client's data: whether some record overflows (privacy.md §1, §2).
         new_state = dict(state)
         kind = "gradient" if isinstance(request, wire.GradientRequest) else "indicator"
+        noise: NDArray[np.float64] | None = None
         if self.gaussian is not None:
             fstate = FilterState(spent=state["spent"], stopped=state["stopped"])
             bounds = partial_clip(self.gaussian, fstate, noise_std=sigma, l2_clip=clip)
@@ -554,7 +557,7 @@ class Agent:
                 "l2_norms": record.l2_norms,
                 # A starved unit is recorded as stopped by this release, as a refusal is, so that
                 # replaying the ledger (protocol.filters.rebuild) stops it at the same round.
-                "refused": np.asarray(record.refused | starved),
+                "refused": np.asarray(record.refused) | starved,
             }
             active_after = ~stopped
             noise = self.rng(request).normal(0.0, sigma, units.dim) if self.config.trust == "local" else None
@@ -572,9 +575,10 @@ class Agent:
             clipped_norms = units.scale(scales)
             step = decide(self.realisation, rstate, mu=clipped_norms / sigma)
             total = units.weighted_sum(step.participating)
-            noise = self.rng(request).normal(0.0, sigma, units.dim)
+            draw = np.asarray(self.rng(request).normal(0.0, sigma, units.dim), dtype=np.float64)
+            noise = draw
             losses = np.where(
-                step.participating, realised_loss(contribution=units.rows, noise=noise, noise_std=sigma), 0.0
+                step.participating, realised_loss(contribution=units.rows, noise=draw, noise_std=sigma), 0.0
             )
             after = advance(rstate, step, losses=losses)
             newly = ~after.accepting & rstate.accepting

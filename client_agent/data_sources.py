@@ -78,6 +78,10 @@ class ArrayBatches:
         """The records as arrays (memory-mapped where the source is): for code that still reads x and y whole."""
         return self.x, self.y
 
+    def fingerprint(self) -> str:
+        """SHA-256 of the data (each concrete source says how it hashes)."""
+        raise NotImplementedError
+
 
 class NpzSource(ArrayBatches):
     """One ``.npz`` file with arrays ``x`` and ``y`` (read whole: a zip member cannot be memory-mapped)."""

@@ -42,7 +42,8 @@ def _pack(header: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> bytes:
         raise FrameError(f"arrays: the name {HEADER!r} is reserved for the frame's header")
     buf = io.BytesIO()
     text = json.dumps(header, sort_keys=True, allow_nan=True).encode()
-    np.savez(buf, **{HEADER: np.frombuffer(text, dtype=np.uint8)}, **arrays)
+    members: dict[str, Any] = {HEADER: np.frombuffer(text, dtype=np.uint8), **arrays}
+    np.savez(buf, **members)
     return buf.getvalue()
 
 

@@ -215,8 +215,8 @@ def serve(config: AgentConfig, *, ready: threading.Event | None = None, stop: th
             service.close()
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            for number, handler in previous.items():
+                signal.signal(number, handler)
             LOG.info("stopped after %d requests", service.answered)
     return 0
 

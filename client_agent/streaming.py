@@ -58,7 +58,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -200,12 +200,31 @@ def _gram_or_explicit(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.bmm(g.transpose(1, 2), a).square().sum(dim=(1, 2))
 
 
+Pair = tuple[int, int]
+
+
+def _conv_geometry(
+    m: nn.Conv1d | nn.Conv2d, a: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, Pair, Pair, Pair, Pair]:
+    """A Conv1d as a Conv2d of height 1: the input and output gradient with a height axis, and the
+    kernel size, dilation, padding and stride as pairs (numeric padding: string padding falls back)."""
+    if isinstance(m, nn.Conv1d):
+        pad = cast(tuple[int], m.padding)
+        return a.unsqueeze(2), g.unsqueeze(2), (1, m.kernel_size[0]), (1, m.dilation[0]), (0, pad[0]), (1, m.stride[0])
+    pad2 = cast(Pair, m.padding)
+    k, d, s = cast(Pair, m.kernel_size), cast(Pair, m.dilation), cast(Pair, m.stride)
+    return a, g, k, d, pad2, s
+
+
 def _linear_sq(m: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     b = a.shape[0]
     if a.ndim == 2:  # ||g a^T||^2 = ||a||^2 ||g||^2, norms accumulated in float64 in one fused pass each
         a_sq = torch.linalg.vector_norm(a, dim=1, dtype=torch.float64).square()
         g_sq = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square()
-        return a_sq * g_sq + (g_sq if m.bias is not None else 0.0)
+        sq: torch.Tensor = a_sq * g_sq
+        if m.bias is not None:
+            sq = sq + g_sq
+        return sq
     a64, g64 = a.reshape(b, -1, a.shape[-1]).double(), g.reshape(b, -1, g.shape[-1]).double()
     out = _gram_or_explicit(a64, g64)
     if m.bias is not None:
@@ -257,11 +276,7 @@ def _conv_sq(m: nn.Conv1d | nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> torc
     slower).
     """
     b = a.shape[0]
-    if isinstance(m, nn.Conv1d):
-        a2, g2 = a.unsqueeze(2), g.unsqueeze(2)
-        k, d, p, s = (1, *m.kernel_size), (1, *m.dilation), (0, *m.padding), (1, *m.stride)
-    else:
-        a2, g2, k, d, p, s = a, g, m.kernel_size, m.dilation, m.padding, m.stride
+    a2, g2, k, d, p, s = _conv_geometry(m, a, g)
     c_in, c_out = a2.shape[1], g2.shape[1]
     positions, inputs = g2.shape[2] * g2.shape[3], c_in * k[0] * k[1]
     gb = g2.reshape(b, c_out, positions)
@@ -307,7 +322,7 @@ def _module_sq(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     per_record = max(1, sum(p.numel() for p in params.values()))
 
     def one(ai: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:
-        _, pull = vjp(lambda p: functional_call(m, p, (ai.unsqueeze(0),)), params)
+        pull = vjp(lambda p: functional_call(m, p, (ai.unsqueeze(0),)), params)[1]
         (grads,) = pull(gi.unsqueeze(0))
         return sum((gr.double().square().sum() for gr in grads.values()), torch.zeros((), dtype=torch.float64))
 
@@ -362,7 +377,7 @@ def _layer_sum(
             conv.weight.detach(),
             [conv.out_channels] if has_bias else None,
             list(conv.stride),
-            list(conv.padding),  # type: ignore[arg-type]
+            list(conv.padding),
             list(conv.dilation),
             False,
             [0] * len(conv.stride),
@@ -378,7 +393,7 @@ def _layer_sum(
             rows = _rows_where(idx != emb.padding_idx, rows)
         return {"weight": torch.zeros_like(emb.weight.detach()).index_add_(0, idx, rows)}
     params = {name: p.detach() for name, p in m.named_parameters(recurse=False)}
-    _, pull = vjp(lambda p: functional_call(m, p, (_rows_where(keep, a),)), params)
+    pull = vjp(lambda p: functional_call(m, p, (_rows_where(keep, a),)), params)[1]
     (grads,) = pull(gw)
     return dict(grads)
 
@@ -505,7 +520,7 @@ def _check_hooks(
         params = {name: p.detach() for name, p in m.named_parameters(recurse=False)}
         if g is None:
             continue
-        _, pull = vjp(lambda p, m=m, a=a: functional_call(m, p, (a.detach(),)), params)
+        pull = vjp(lambda p, m=m, a=a: functional_call(m, p, (a.detach(),)), params)[1]
         (grads,) = pull(g.detach())
         for name, p in m.named_parameters(recurse=False):
             implied[id(p)] = grads[name]
@@ -529,7 +544,10 @@ def _fallback_chunk_sq(
     parts = []
     for i in range(0, x.shape[0], step):
         grads = grads_fn(params, x[i : i + step], y[i : i + step], w[i : i + step])
-        parts.append(sum(g.reshape(g.shape[0], -1).double().square().sum(dim=1) for g in grads.values()))
+        sq = torch.zeros(min(step, x.shape[0] - i), dtype=torch.float64, device=x.device)
+        for g in grads.values():
+            sq = sq + g.reshape(g.shape[0], -1).double().square().sum(dim=1)
+        parts.append(sq)
     return torch.cat(parts)
 
 

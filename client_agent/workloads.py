@@ -214,4 +214,5 @@ def indicator_rows(
     values = np.concatenate(parts) if len(parts) > 1 else parts[0]
     if unit == "record":
         return values
-    return values.sum(axis=0, keepdims=True, dtype=np.float64).astype(np.float32)
+    summed: NDArray[np.float32] = values.sum(axis=0, keepdims=True, dtype=np.float64).astype(np.float32)
+    return summed

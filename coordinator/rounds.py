@@ -161,8 +161,9 @@ def _described_workload(workload: Any) -> None:
         dim = query.get("dim") if isinstance(query, dict) else None
         bound = query.get("l2_bound") if isinstance(query, dict) else None
         ok_dim = isinstance(dim, int) and not isinstance(dim, bool) and dim >= 1
-        number = isinstance(bound, (int, float)) and not isinstance(bound, bool)
-        ok_bound = number and math.isfinite(bound) and bound > 0
+        ok_bound = (
+            isinstance(bound, (int, float)) and not isinstance(bound, bool) and math.isfinite(bound) and bound > 0
+        )
         if not (ok_dim and ok_bound):
             raise wire.ProtocolError(
                 f"status reply: a workload query must have an integer 'dim' >= 1 and a finite 'l2_bound' > 0, "
@@ -649,7 +650,7 @@ def run(
                 rnd,
                 cfg.task,
                 kind,
-                lambda node, s, rnd=rnd, params=params, query=query: _request(cfg, rnd, params, query, secagg=s),
+                functools.partial(_node_request, cfg, rnd, params, query),
                 size,
                 cfg.noise_std,
             )
@@ -816,6 +817,13 @@ def _layout_of(workload: str, model: str, model_args: str) -> str:
 def model_layout(cfg: CoordinatorConfig) -> str:
     """The parameter layout of the run's model (protocol.workload.layout_fingerprint), sent with every model."""
     return _layout_of(cfg.workload, cfg.model, cfg.canonical_model_args)
+
+
+def _node_request(
+    cfg: CoordinatorConfig, rnd: int, params: np.ndarray, query: Query | None, node: int, s: wire.SecaggInput | None
+) -> wire.Request:
+    """The round's request for one node of a secagg session (the same for every node but its SecaggInput)."""
+    return _request(cfg, rnd, params, query, secagg=s)
 
 
 def _request(

@@ -138,7 +138,9 @@ def secagg_release(
         return ok
 
     # 1. keys, bound to the one step-3 request every client of the session will be asked
-    fingerprint = wire.session_fingerprint(build(nodes[0], None), settings.scale_bits)
+    template = build(nodes[0], None)
+    assert isinstance(template, (wire.GradientRequest, wire.IndicatorRequest, wire.MonitorRequest))
+    fingerprint = wire.session_fingerprint(template, settings.scale_bits)
     keys_request = wire.SecaggKeysRequest(session, run_id, rnd, "secagg", fingerprint)
     got = transport.send(wire.SECAGG_KEYS, {n: wire.encode_request(keys_request) for n in nodes}, timeout=timeout)
     _merge(out.replies, got, "secagg-keys-")
@@ -165,7 +167,7 @@ def secagg_release(
         return abort(f"{len(u1)} clients advertised keys, fewer than m = {m}")
     enc = np.stack([keys[n].encryption_key for n in u1])
     mask = np.stack([keys[n].masking_key for n in u1])
-    signed = {
+    signed: dict[str, Any] = {
         "fingerprint": fingerprint,
         "identities": np.stack([keys[n].identity for n in u1]),
         "commitments": np.stack([keys[n].seed_commitment for n in u1]),

@@ -155,7 +155,8 @@ class GaussianFilter:
         table = {"gdp": cls.gdp, "zcdp": cls.zcdp, "renyi": cls.renyi, "renyi_multi": cls.renyi_multi}
         if kind not in table:
             raise PrivacyParameterError(f"filter: expected one of {tuple(table)}, got {kind!r}")
-        return table[kind](epsilon=epsilon, delta=delta, **options)  # type: ignore[operator]
+        built: GaussianFilter = table[kind](epsilon=epsilon, delta=delta, **options)  # type: ignore[operator]
+        return built
 
     # -- derived ------------------------------------------------------------------
 

@@ -154,7 +154,7 @@ def _normal(x: float) -> bool:
     return math.isfinite(x) and abs(x) >= _TINY
 
 
-def _noise_and_clip(config: Mapping[str, Any], kind: str) -> dict[str, float]:
+def _noise_and_clip(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """``noise_std`` and ``l2_clip``, refused unless their squares and ratios are finite normal numbers.
 
     Privacy note: the charge is (norm / noise_std)^2 per unit. A subnormal noise_std (1e-310)
@@ -483,7 +483,7 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
             **masked,
         )
     if message_type == MONITOR:
-        noise = {"noise_std": _positive(config, "noise_std", kind)} if secagg else {}
+        noise: dict[str, Any] = {"noise_std": _positive(config, "noise_std", kind)} if secagg else {}
         _no_extra(config, arrays, kind, _MONITOR_KEYS | extra_keys | set(noise), extra_arrays)
         return MonitorRequest(
             **_base(config, kind), trust=_str(config, "trust", kind, choices=TRUST_MODES), **masked, **noise
@@ -491,7 +491,9 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
     _no_extra(config, arrays, kind, _BASE_KEYS | {"model", "model_args"}, set())
     if ("model" in config) != ("model_args" in config):
         raise ProtocolError(f"{kind}: expected 'model' and 'model_args' together or neither, got one")
-    named = {"model": _str(config, "model", kind), "model_args": _model_args(config, kind)} if "model" in config else {}
+    named: dict[str, Any] = (
+        {"model": _str(config, "model", kind), "model_args": _model_args(config, kind)} if "model" in config else {}
+    )
     return StatusRequest(**_base(config, kind), **named)
 
 
@@ -638,7 +640,7 @@ def _name(config: Mapping[str, Any], key: str, kind: str) -> str:
     return value
 
 
-def _layout(config: Mapping[str, Any], kind: str) -> dict[str, str]:
+def _layout(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """The optional ``layout`` key: 64 lowercase hex digits (a SHA-256), or nothing."""
     if "layout" not in config:
         return {}
@@ -695,7 +697,7 @@ def encode_request(request: Request) -> tuple[dict[str, Any], dict[str, NDArray[
     return config, arrays
 
 
-def session_fingerprint(request: Request, scale_bits: int) -> str:
+def session_fingerprint(request: GradientRequest | IndicatorRequest | MonitorRequest, scale_bits: int) -> str:
     """SHA-256 of a step-3 request's content apart from its id and its per-client U2 and shares.
 
     Every client of a secagg session must be asked the same question (the same model and

@@ -298,11 +298,12 @@ def bounded_rows(query: Query, values: Any, b: int) -> np.ndarray:
         rows = rows.reshape(-1, 1)
     if rows.shape != (b, query.dim):
         raise WorkloadError(f"query: expected rows of shape ({b}, {query.dim}), got {rows.shape}")
-    finite = np.isfinite(rows).all(axis=1)
+    finite = np.asarray(np.isfinite(rows).all(axis=1))
     rows = np.where(finite[:, None], rows, 0.0)
     norms = np.linalg.norm(rows, axis=1)
     scale = np.minimum(1.0, query.l2_bound / np.maximum(norms, np.finfo(np.float64).tiny))
-    return (rows * scale[:, None]).astype(np.float32)
+    out: np.ndarray = (rows * scale[:, None]).astype(np.float32)
+    return out
 
 
 def layout_fingerprint(model: nn.Module) -> str:

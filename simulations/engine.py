@@ -41,7 +41,7 @@ def run_flower(
         server_app=build_server_app(cfg, results, evaluate=evaluate, analyst=analyst),
         client_app=build_client_app([simulation_node_config(node_configs)], simulation=True),
         num_supernodes=len(node_configs),
-        backend_config=backend_config(num_cpus),  # type: ignore[arg-type]
+        backend_config=backend_config(num_cpus),
     )
     if not results:
         raise RuntimeError("the Flower simulation ended without a summary; see the log above for the ServerApp error")

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from client_agent.direct import answer_request
-from coordinator.transport import Payload, RoundReplies
+from coordinator.transport import RoundReplies
 from protocol import messages as wire
+from protocol.records import Payload
 
 
 class InProcessTransport:

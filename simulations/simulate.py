@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -303,7 +303,7 @@ PRESETS: dict[str, Callable[[Options, Path], Plan]] = {
 }
 
 
-def halt_rounds(clients: dict[int, dict[str, Any]]) -> np.ndarray:
+def halt_rounds(clients: Mapping[int, Mapping[str, Any]]) -> np.ndarray:
     """Every unit's halt round (its last round with data; -1: still active), from the simulated clients' ledgers."""
     halts = []
     for node in clients.values():
