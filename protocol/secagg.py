@@ -71,17 +71,9 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from cryptography.exceptions import InvalidSignature, InvalidTag
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from flwr.common.secure_aggregation.secaggplus_utils import (
-    share_keys_plaintext_concat,
-    share_keys_plaintext_separate,
-)
+
+# cryptography and Flower are imported by the functions that use them, so that importing this module
+# (and protocol.messages, which reads its constants and checks) loads neither.
 from numpy.typing import NDArray
 
 PROTOCOL_VERSION = b"fedfilter-secagg-v2"
@@ -256,6 +248,9 @@ def _bytes32(name: str, raw: object) -> bytes:
 
 def generate_keypair() -> tuple[bytes, bytes]:
     """A fresh X25519 key pair (secret, public), raw 32 bytes each, from the OS CSPRNG."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
     secret = X25519PrivateKey.generate()
     return (
         secret.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()),
@@ -265,12 +260,17 @@ def generate_keypair() -> tuple[bytes, bytes]:
 
 def public_key_of(secret: bytes) -> bytes:
     """The X25519 public key of a raw secret key."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
     key = X25519PrivateKey.from_private_bytes(_bytes32("secret key", secret))
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
 def agree(secret: bytes, peer_public: bytes, *, what: str) -> bytes:
     """X25519(secret, peer_public); a low-order or malformed peer key is a SecaggError naming ``what``."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+
     key = X25519PrivateKey.from_private_bytes(_bytes32("secret key", secret))
     try:
         return key.exchange(X25519PublicKey.from_public_bytes(_bytes32(what, peer_public)))
@@ -279,6 +279,9 @@ def agree(secret: bytes, peer_public: bytes, *, what: str) -> bytes:
 
 
 def _hkdf(secret: bytes, *, salt: bytes, info: bytes) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
     return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt, info=PROTOCOL_VERSION + b"|" + info).derive(
         secret
     )
@@ -310,6 +313,8 @@ def expand_mask(seed: bytes, dim: int) -> NDArray[np.uint64]:
     Each seed is derived for one session and one use, so the all-zero nonce is never reused
     with a key.
     """
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
         raise SecaggError(f"dim: expected an integer >= 0, got {dim!r}")
     encryptor = Cipher(algorithms.ChaCha20(_bytes32("mask seed", seed), b"\x00" * 16), mode=None).encryptor()
@@ -359,6 +364,9 @@ def _framed(*parts: bytes) -> bytes:
 
 def new_identity() -> bytes:
     """A fresh Ed25519 signing key (raw 32-byte secret) from the OS CSPRNG."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     return Ed25519PrivateKey.generate().private_bytes(
         serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
     )
@@ -366,17 +374,25 @@ def new_identity() -> bytes:
 
 def identity_public_key(secret: bytes) -> bytes:
     """The Ed25519 public key (32 bytes) of a raw identity secret."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     key = Ed25519PrivateKey.from_private_bytes(_bytes32("identity key", secret))
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
 def sign(secret: bytes, message: bytes) -> bytes:
     """Ed25519 signature (64 bytes) of ``message`` under the identity secret."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     return Ed25519PrivateKey.from_private_bytes(_bytes32("identity key", secret)).sign(message)
 
 
 def signature_valid(public: bytes, message: bytes, signature: bytes) -> bool:
     """Whether ``signature`` is the Ed25519 signature of ``message`` under ``public`` (malformed: False)."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     if len(public) != KEY_BYTES or len(signature) != SIGNATURE_BYTES:
         return False
     try:
@@ -744,6 +760,9 @@ class Roster:
 
 def share_ciphertexts(secrets_: ClientSecrets, roster: Roster, own: int) -> NDArray[np.uint8]:
     """Step 2: row v holds (shares of b_u and of s_u's secret for x = v + 1), encrypted for client v."""
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_concat
+
     tag = roster.tag
     n = roster.size
     b_shares = shamir_split(int.from_bytes(secrets_.self_seed, "little"), threshold=roster.threshold, n=n)
@@ -783,6 +802,10 @@ def open_ciphertexts(
     A ciphertext that does not authenticate (another session's, another pair's, tampered,
     or sealed under other keys) or whose plaintext names another pair is a SecaggError.
     """
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
+
     if not isinstance(ciphertexts, np.ndarray) or ciphertexts.dtype != np.uint8:
         raise SecaggError(f"ciphertexts: expected uint8[{peers.size}, {CIPHERTEXT_BYTES}], got {ciphertexts!r:.60}")
     if ciphertexts.shape != (peers.size, CIPHERTEXT_BYTES):
