@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +15,20 @@ from coordinator.server_app import build_server_app
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+# Ray's future default (it prints a FutureWarning at every start otherwise): a worker that asks for
+# no GPU keeps the accelerator variables it inherited. The simulation's workers ask for none.
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+
+
+class _NoRunSimulationDeprecation(logging.Filter):
+    """Drops Flower's banner that `run_simulation` is deprecated in favour of `flwr run`.
+
+    A user of `fedfilter simulate` did not call it: the engine does, and `flwr run` is the deployed
+    path (docs/deploy.md). Every other Flower log line passes.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "DEPRECATED FEATURE: The `run_simulation` function" not in record.getMessage()
 
 
 def backend_config(num_cpus: int | None = None) -> dict[str, Any]:
@@ -37,12 +52,18 @@ def run_flower(
     from flwr.simulation import run_simulation
 
     results: dict[str, Any] = {}
-    run_simulation(
-        server_app=build_server_app(cfg, results, evaluate=evaluate, analyst=analyst),
-        client_app=build_client_app([simulation_node_config(node_configs)], simulation=True),
-        num_supernodes=len(node_configs),
-        backend_config=backend_config(num_cpus),
-    )
+    flwr_log = logging.getLogger("flwr")
+    quiet = _NoRunSimulationDeprecation()
+    flwr_log.addFilter(quiet)
+    try:
+        run_simulation(
+            server_app=build_server_app(cfg, results, evaluate=evaluate, analyst=analyst),
+            client_app=build_client_app([simulation_node_config(node_configs)], simulation=True),
+            num_supernodes=len(node_configs),
+            backend_config=backend_config(num_cpus),
+        )
+    finally:
+        flwr_log.removeFilter(quiet)
     if not results:
         raise RuntimeError("the Flower simulation ended without a summary; see the log above for the ServerApp error")
     return results

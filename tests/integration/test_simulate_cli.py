@@ -84,3 +84,21 @@ def test_quickstart_epsilon_must_exceed_its_monitor_share(tmp_path: Path, capsys
     err = capsys.readouterr().err
     assert "--epsilon: the quickstart reserves epsilon 0.1 for its monitor in central trust" in err
     assert "got 0.1" in err and not (tmp_path / "q" / "clients").exists()
+
+
+def test_the_main_command_greets_nobody_with_third_party_deprecations() -> None:
+    """Flower's `run_simulation` banner is dropped while the engine runs it; Ray gets its future default."""
+    import logging
+    import os
+
+    from simulations.engine import _NoRunSimulationDeprecation
+
+    def record(text: str) -> logging.LogRecord:
+        return logging.LogRecord("flwr", logging.WARNING, __file__, 1, text, None, None)
+
+    quiet = _NoRunSimulationDeprecation()
+    banner = "DEPRECATED FEATURE: The `run_simulation` function is deprecated and will be removed"
+    assert not quiet.filter(record(banner))
+    assert quiet.filter(record("DEPRECATED FEATURE: something else"))  # other warnings still pass
+    assert quiet.filter(record("ServerApp: round 1 finished"))
+    assert os.environ["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] == "0"
