@@ -193,6 +193,22 @@ def advertise(request: wire.SecaggKeysRequest, identity: bytes) -> Answer:
     return (*reply.encode(), release)
 
 
+def roster_of(request: wire.SecaggSharesRequest) -> sa.Roster:
+    """The roster a step-2 request names (checked for shape here; :meth:`sa.Roster.authenticate` checks the rest)."""
+    return sa.Roster(
+        request.run_id,
+        request.round,
+        request.min_clients,
+        request.encryption_keys,
+        request.masking_keys,
+        session=request.session,
+        fingerprint=request.fingerprint,
+        identities=request.identities,
+        commitments=request.commitments,
+        signatures=request.signatures,
+    )
+
+
 def share_keys(ledger: Ledger, request: wire.SecaggSharesRequest, identity: bytes, trusted: frozenset[bytes]) -> Answer:
     """Step 2: authenticate the roster and seal this client's shares for its members.
 
@@ -208,18 +224,7 @@ def share_keys(ledger: Ledger, request: wire.SecaggSharesRequest, identity: byte
             f"secagg session {request.session!r}: the roster names request fingerprint {request.fingerprint[:16]}..., "
             f"this client signed {signed[:16]}... at step 1"
         )
-    roster = sa.Roster(
-        request.run_id,
-        request.round,
-        request.min_clients,
-        request.encryption_keys,
-        request.masking_keys,
-        session=request.session,
-        fingerprint=request.fingerprint,
-        identities=request.identities,
-        commitments=request.commitments,
-        signatures=request.signatures,
-    )
+    roster = roster_of(request)
     own_identity = sa.identity_public_key(identity)
     roster.authenticate(trusted | {own_identity})
     own = roster.index_of(secrets.encryption_key, secrets.masking_key)

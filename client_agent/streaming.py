@@ -444,22 +444,6 @@ def _hooked_modules(model: nn.Module) -> list[nn.Module]:
 Captured = list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
 
 
-def _hooked_chunk_sq(
-    model: nn.Module,
-    loss_fn: LossFn,
-    capture: _Capture,
-    leaves: dict[str, torch.Tensor],
-    buffers: dict[str, torch.Tensor],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    w: torch.Tensor,
-    *,
-    check: bool,
-) -> torch.Tensor:
-    """One chunk's per-record squared norms from hooks; ``check`` also validates the hooks against autograd."""
-    return _hooked_chunk(model, loss_fn, capture, leaves, buffers, x, y, w, check=check)[0]
-
-
 def _hooked_chunk(
     model: nn.Module,
     loss_fn: LossFn,
@@ -584,7 +568,7 @@ def record_norms(
             sq = None
             if capture is not None:
                 try:
-                    sq = _hooked_chunk_sq(model, loss_fn, capture, leaves, buffers, x, y, w, check=first)
+                    sq = _hooked_chunk(model, loss_fn, capture, leaves, buffers, x, y, w, check=first)[0]
                 except _Unsupported:
                     if not first:  # the structure of the forward changed from chunk to chunk
                         raise

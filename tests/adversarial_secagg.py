@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from client_agent import secagg_client
 from client_agent.agent import Agent, Outcome
 from client_agent.config import parse_agent_config
 from protocol import messages as wire
@@ -170,18 +171,7 @@ class Coordinator:
 
     @staticmethod
     def bookkeeping(s: Session, request: wire.SecaggSharesRequest) -> sa.Roster:
-        return sa.Roster(
-            RUN,
-            s.rnd,
-            s.m,
-            request.encryption_keys,
-            request.masking_keys,
-            session=s.name,
-            fingerprint=request.fingerprint,
-            identities=request.identities,
-            commitments=request.commitments,
-            signatures=request.signatures,
-        )
+        return secagg_client.roster_of(request)
 
     # -- step 3 ------------------------------------------------------------------------------
 
