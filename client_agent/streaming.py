@@ -543,6 +543,7 @@ def record_norms(
     valid: Validity | None = None,
     chunk_size: int = 1024,
     device: str = "cpu",
+    ghost: bool = True,
 ) -> tuple[NDArray[np.float64], str]:
     """The norms pass alone: each record's gradient L2 norm (float64, (n,)) and the method ("hooks" or "fallback").
 
@@ -556,7 +557,7 @@ def record_norms(
     out = torch.empty(n, dtype=torch.float64)
     leaves, buffers = _leaves(model, dev)
     try:
-        capture: _Capture | None = _Capture(_hooked_modules(model))
+        capture: _Capture | None = _Capture(_hooked_modules(model)) if ghost else None
     except _Unsupported:
         capture = None
     handles = [m.register_forward_hook(capture.hook, with_kwargs=True) for m in capture.modules] if capture else []
@@ -656,6 +657,7 @@ def fused_clipped_sum(
     valid: Validity | None = None,
     chunk_size: int = 1024,
     device: str = "cpu",
+    ghost: bool = True,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], str]:
     """One pass: each record's gradient norm, and sum_i w_i g_i with the weights ``weights`` gives from the norms.
 
@@ -686,7 +688,7 @@ def fused_clipped_sum(
 
     full_names = {id(p): name for name, p in model.named_parameters()}
     try:
-        capture: _Capture | None = _Capture(_hooked_modules(model))
+        capture: _Capture | None = _Capture(_hooked_modules(model)) if ghost else None
     except _Unsupported:
         capture = None
     owned = {
@@ -918,10 +920,19 @@ class StreamedGradients:
         valid: Validity | None = None,
         chunk_size: int = 1024,
         device: str = "cpu",
+        ghost: bool = False,
     ) -> None:
+        """``ghost``: ghost norms and the book-keeping sum from hooks (fast). Off by default, and off in
+        the agent: a hostile review found that the hooks' norm and sum can disagree far beyond
+        NORM_REL_ERROR when one record's per-position terms cancel (float32 accumulation), that
+        the hooks' first-chunk check can switch the method on one record's data (timing), and that
+        a leaf with a NaN gradient at zero input fails on stopped records. Off, each record's
+        gradient is formed by vmap(grad) per sub-batch, its norm and its weighted contribution
+        come from that same row, and memory stays bounded by a sub-batch."""
         check_model(model)
         self.model, self.loss_fn, self.source = model, loss_fn, source
         self.valid, self.chunk_size, self.device = valid, _chunk_size(chunk_size), device
+        self.ghost = ghost
         self.n_units = len(source)
         self.dim = sum(p.numel() for p in model.parameters())
         self.method = ""
@@ -937,6 +948,7 @@ class StreamedGradients:
                 valid=self.valid,
                 chunk_size=self.chunk_size,
                 device=self.device,
+                ghost=self.ghost,
             )
         return self._norms
 
@@ -977,6 +989,7 @@ class StreamedGradients:
             valid=self.valid,
             chunk_size=self.chunk_size,
             device=self.device,
+            ghost=self.ghost,
         )
         return total
 

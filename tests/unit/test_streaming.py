@@ -497,3 +497,41 @@ def test_the_agents_record_gradients_stream_and_match_the_materialised_rows() ->
     rows.scale(scales)
     admitted = np.ones(11, dtype=np.bool_)
     assert rel(streamed.weighted_sum(admitted), rows.weighted_sum(admitted)) <= 1e-5
+
+
+class _SequenceLinear(nn.Module):
+    """One Linear applied at every position of a (b, T, 1) input: a record's gradient sums T terms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(1, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[..., 0]
+
+
+def test_the_agents_path_releases_no_more_than_it_charges_when_a_records_terms_cancel() -> None:
+    """Review finding: a record whose per-position terms are 2^40, -(2^40 - 2^16), -(2^16 - 3) has gradient 3.
+    The ghost path's float64 norm (3) and float32 book-keeping sum disagreed by about 10^4, far beyond
+    NORM_REL_ERROR; the agent's path (ghost off: norm and contribution from one vmap(grad) row) agrees."""
+    big, step = 2.0**40, 2.0**16
+    x = np.array([[[big], [-(big - step)], [-(step - 3)]]], dtype=np.float32)
+    y = np.zeros(1, dtype=np.int64)
+    model = _SequenceLinear()
+    with torch.no_grad():
+        model.lin.weight.fill_(1.0)
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return out.sum(dim=1)
+
+    units = StreamedGradients(model, loss, ArraySource(x, y))
+    assert not units.ghost  # the default, and what gradient_contributions builds for the agent
+    clip = 1.0 / (1.0 + NORM_REL_ERROR)
+
+    def weights(start: int, norms: np.ndarray) -> np.ndarray:
+        return np.minimum(1.0, clip / norms)
+
+    total = units.clipped_sum(weights)
+    charged = units.charged_norms(units.norms(), weights(0, units.norms()))
+    assert units.method == "fallback"
+    assert np.linalg.norm(total) <= charged[0] * (1 + 1e-12)
