@@ -104,12 +104,30 @@ class Query:
 
 
 def finite_features(x: torch.Tensor, y: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
-    """The default validity rule: a record is usable when its features (and float targets) are finite."""
-    import torch
+    """The default validity rule: a record is usable when its features (and float targets) are finite,
+    and, for integer features fed to a model with embeddings, when every id lies in [0, the smallest
+    vocabulary) of the model's embeddings.
 
-    ok = torch.isfinite(x.reshape(len(x), -1)).all(dim=1)
+    Privacy note: the coordinator chooses the vocabulary size (``model_args``); a record whose id the
+    model cannot take is the null element (zero contribution, no charge), never an error, which would
+    answer, uncharged, "does some record hold a token id >= k?" (privacy.md §1, §2), as
+    :func:`protocol.builtin_workload.classification_records` does for labels.
+    """
+    import torch
+    from torch import nn
+
+    ok = (
+        torch.isfinite(x.reshape(len(x), -1)).all(dim=1)
+        if x.is_floating_point()
+        else torch.ones(len(x), dtype=torch.bool)
+    )
     if y.is_floating_point():
         ok &= torch.isfinite(y.reshape(len(y), -1)).all(dim=1)
+    if model is not None and not x.is_floating_point():
+        sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+        if sizes:
+            ids = x.reshape(len(x), -1)
+            ok &= ((ids >= 0) & (ids < min(sizes))).all(dim=1)
     return ok
 
 

@@ -535,3 +535,34 @@ def test_the_agents_path_releases_no_more_than_it_charges_when_a_records_terms_c
     charged = units.charged_norms(units.norms(), weights(0, units.norms()))
     assert units.method == "fallback"
     assert np.linalg.norm(total) <= charged[0] * (1 + 1e-12)
+
+
+class _Tokens(nn.Module):
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(idx).mean(dim=1))
+
+
+def test_a_token_id_beyond_the_vocabulary_is_the_null_element_not_an_error() -> None:
+    """Review finding: with the default validity rule, a record holding a token id >= the vocabulary the
+    coordinator chose made the forward raise, an uncharged internal error; the coordinator could
+    binary-search the client's largest token id. The record is now the null element: norm 0, no charge."""
+    from protocol.workload import finite_features
+
+    x = torch.tensor([[1, 2, 3], [4, 45, 6], [7, 8, 9]])
+    y = torch.tensor([0, 1, 0])
+    model = _Tokens(40)
+    assert finite_features(x, y, model).tolist() == [True, False, True]
+    assert finite_features(x, y, _Tokens(64)).tolist() == [True, True, True]
+    assert finite_features(-x, y, model).tolist() == [False, False, False]  # negative ids too
+
+    def valid(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return finite_features(xb, yb, model)
+
+    units = StreamedGradients(model, LOSS, ArraySource(x.numpy(), y.numpy()), valid=valid)
+    norms = units.norms()
+    assert norms[1] == 0.0 and norms[0] > 0.0 and norms[2] > 0.0
