@@ -127,8 +127,14 @@ def finite_records(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ok
 
 
+def batch_tensor(v: Any) -> torch.Tensor:
+    """A batch as a tensor; a memory-mapped (read-only) slice is copied, one batch at a time, since torch
+    does not take non-writable arrays."""
+    return v if isinstance(v, torch.Tensor) else torch.from_numpy(np.require(v, requirements=["C", "W"]))
+
+
 def _as_tensor(v: Any) -> torch.Tensor:
-    t = v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))
+    t = batch_tensor(v)
     return t.to(dtype=torch.float32 if t.is_floating_point() else torch.int64)
 
 
@@ -518,21 +524,26 @@ def _check_hooks(
             raise _Unsupported(f"parameter {name!r} gets gradient the module hooks do not see")
 
 
-def _fallback_chunk_sq(
+def _per_example_rows(
     model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
-) -> torch.Tensor:
-    """Per-record squared norms by vmap(grad) of the whole model, in sub-batches of bounded memory."""
+) -> Iterator[tuple[int, dict[str, torch.Tensor], torch.Tensor]]:
+    """vmap(grad) rows of the whole model, per sub-batch of bounded memory: (offset, rows, squared norms)."""
     grads_fn, params = example_gradients_fn(model, loss_fn, x.device)
     d = max(1, sum(p.numel() for p in params.values()))
     step = max(1, _EXPLICIT_FLOATS // d)
-    parts = []
     for i in range(0, x.shape[0], step):
         grads = grads_fn(params, x[i : i + step], y[i : i + step], w[i : i + step])
         sq = torch.zeros(min(step, x.shape[0] - i), dtype=torch.float64, device=x.device)
         for g in grads.values():
             sq = sq + g.reshape(g.shape[0], -1).double().square().sum(dim=1)
-        parts.append(sq)
-    return torch.cat(parts)
+        yield i, grads, sq
+
+
+def _fallback_chunk_sq(
+    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """Per-record squared norms by vmap(grad) of the whole model, in sub-batches of bounded memory."""
+    return torch.cat([sq for _, _, sq in _per_example_rows(model, loss_fn, x, y, w)])
 
 
 def record_norms(
@@ -633,14 +644,9 @@ def _fallback_chunk(
     add: Callable[[str, torch.Tensor], None],
 ) -> torch.Tensor:
     """The whole-model fallback, fused: per sub-batch, vmap(grad) rows, their norms, weights, weighted sum."""
-    grads_fn, params = example_gradients_fn(model, loss_fn, x.device)
-    d = max(1, sum(p.numel() for p in params.values()))
-    step = max(1, _EXPLICIT_FLOATS // d)
     parts = []
-    for i in range(0, x.shape[0], step):
-        grads = grads_fn(params, x[i : i + step], y[i : i + step], usable[i : i + step])
-        sq = sum(g.reshape(g.shape[0], -1).double().square().sum(dim=1) for g in grads.values())
-        norms = torch.as_tensor(sq, dtype=torch.float64).sqrt()
+    for i, grads, sq in _per_example_rows(model, loss_fn, x, y, usable):
+        norms = sq.sqrt()
         w, keep = weigh(start + i, norms)
         for name, g in grads.items():
             add(name, torch.tensordot(w, _rows_where(keep, g), dims=1))

@@ -18,7 +18,7 @@ import torch
 from numpy.typing import NDArray
 
 from client_agent.gradients import per_example_gradients, summed_gradient
-from client_agent.streaming import Contributions, RecordSource, RowContributions, StreamedGradients
+from client_agent.streaming import Contributions, RecordSource, RowContributions, StreamedGradients, batch_tensor
 from protocol import messages as wire
 from protocol.builtin_workload import BUILTIN
 from protocol.models import load_flat_parameters, parameter_count
@@ -118,8 +118,7 @@ def client_gradient_row(
     """
     total: torch.Tensor | None = None
     for bx, by in source.batches(_QUERY_BATCH):
-        xt = torch.as_tensor(np.ascontiguousarray(bx.numpy() if isinstance(bx, torch.Tensor) else bx))
-        yt = torch.as_tensor(np.ascontiguousarray(by.numpy() if isinstance(by, torch.Tensor) else by))
+        xt, yt = batch_tensor(bx), batch_tensor(by)
         xt = xt.to(torch.float32)
         if not yt.is_floating_point():
             yt = yt.to(torch.int64)  # class labels, as the loss takes them
