@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from coordinator.config import ANALYSTS
 from protocol import messages as wire
 
 
@@ -40,6 +40,26 @@ class Answer:
 
 
 Analyst = Callable[[Sequence[Answer]], Query | None]
+
+
+class AnalystFactory(Protocol):
+    """Builds a run's analyst from its length and the columns it may ask about."""
+
+    def __call__(self, *, rounds: int, columns: int) -> Analyst: ...
+
+
+# Run configs hold names, never code: the names an indicator run may ask for (coordinator.config checks them).
+ANALYSTS: dict[str, AnalystFactory] = {}
+
+
+def register_analyst(name: str) -> Callable[[AnalystFactory], AnalystFactory]:
+    """Register ``factory(rounds=, columns=)`` under ``name`` (the run config's ``analyst``)."""
+
+    def register(factory: AnalystFactory) -> AnalystFactory:
+        ANALYSTS[name] = factory
+        return factory
+
+    return register
 
 
 def sweep(columns: int) -> Analyst:
@@ -82,13 +102,25 @@ def cycle(columns: int) -> Analyst:
     return next_query
 
 
+@register_analyst("sweep")
+def _sweep_run(*, rounds: int, columns: int) -> Analyst:
+    return sweep(min(columns, rounds))
+
+
+@register_analyst("refine")
+def _refine_run(*, rounds: int, columns: int) -> Analyst:
+    top = max(1, columns // 10)
+    return refine(columns, repeats=max(1, (rounds - columns) // top), top=top)
+
+
+@register_analyst("cycle")
+def _cycle_run(*, rounds: int, columns: int) -> Analyst:
+    return cycle(columns)
+
+
 def build_analyst(name: str, *, rounds: int, columns: int) -> Analyst:
-    """An analyst by name (run configs hold names, never code): 'sweep', 'refine' or 'cycle'."""
-    if name == "sweep":
-        return sweep(min(columns, rounds))
-    if name == "refine":
-        top = max(1, columns // 10)
-        return refine(columns, repeats=max(1, (rounds - columns) // top), top=top)
-    if name == "cycle":
-        return cycle(columns)
-    raise ValueError(f"analyst: expected one of {ANALYSTS}, got {name!r}")
+    """An analyst by its registered name: 'sweep', 'refine', 'cycle' or one a deployer registered."""
+    factory = ANALYSTS.get(name)
+    if factory is None:
+        raise ValueError(f"analyst: expected one of {tuple(ANALYSTS)}, got {name!r}")
+    return factory(rounds=rounds, columns=columns)

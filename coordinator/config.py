@@ -13,16 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.analysts import ANALYSTS
+from coordinator.tasks import TASKS
 from protocol import messages as wire
+from protocol.errors import FedfilterError
 from protocol.workload import BUILTIN_REF, Workload, WorkloadError, load_workload
 
-ANALYSTS = ("sweep", "refine", "cycle")  # coordinator/analysts.py:build_analyst
-
-TASKS: tuple[str, ...] = ("gradient", "indicator")
 MONITORS: tuple[str, ...] = ("none", "svt", "tree")
 
 
-class CoordinatorConfigError(ValueError):
+class CoordinatorConfigError(FedfilterError, ValueError):
     """The run configuration is missing a key or has a bad value."""
 
 
@@ -99,7 +99,7 @@ class CoordinatorConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise CoordinatorConfigError(f"{name}: expected a finite number > 0, got {value!r}")
         for name, value, choices in (
-            ("task", self.task, TASKS),
+            ("task", self.task, tuple(TASKS)),
             ("trust", self.trust, wire.TRUST_MODES),
             ("unit", self.unit, wire.UNITS),
             ("monitor", self.monitor, MONITORS),
@@ -113,7 +113,7 @@ class CoordinatorConfig:
         if self.task == "gradient" and self.model not in models:
             raise CoordinatorConfigError(f"model: expected one of {sorted(models)}, got {self.model!r}")
         if self.task == "indicator" and self.analyst not in ANALYSTS:
-            raise CoordinatorConfigError(f"analyst: expected one of {ANALYSTS}, got {self.analyst!r}")
+            raise CoordinatorConfigError(f"analyst: expected one of {tuple(ANALYSTS)}, got {self.analyst!r}")
         # Request ids are '<run_id>:<purpose>[:<step>]:r<round>' (at most 256 characters, no '|', protocol/messages.py).
         if not isinstance(self.run_id, str) or not self.run_id or "|" in self.run_id or len(self.run_id) > 160:
             raise CoordinatorConfigError(

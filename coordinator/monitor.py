@@ -2,6 +2,9 @@
 
 Both monitors read what the clients' ``query.monitor`` replies hold and nothing else;
 their cost is reserved in every unit's filter at enrolment (client_agent.config.MonitorReservation).
+Both implement :class:`Monitor`: ``observe(round, reports) -> Verdict``, so the round loop
+(coordinator/rounds.py) never asks which one it holds. The release step gathers the reports
+(coordinator/release.py; in secagg trust one masked sum, coordinator/secagg.py).
 
 - :class:`SvtMonitor` (central trust): the sparse vector technique on the exact active
   count, LSL Alg. 1 with c = 1 (stop at the first "below").
@@ -13,11 +16,17 @@ their cost is reserved in every unit's filter at enrolment (client_agent.config.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.stats import norm
+
+from protocol.releases import tree_levels
+
+if TYPE_CHECKING:
+    from coordinator.config import CoordinatorConfig
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,39 @@ class Verdict:
     below: bool
     active_estimate: float | None = None
     estimate_std: float | None = None
+
+
+@dataclass
+class Reports:
+    """One round's monitor replies: (values, the reporting client's noise std) per decoded reply.
+
+    In secagg trust one pair, the session's masked sum and the std of the noise in it, or none
+    when the session aborted. ``errors`` counts what was left out by name (the loop files them
+    under 'monitor-'); a monitor adds the reports it cannot use.
+    """
+
+    values: list[tuple[np.ndarray, float]]
+    asked: int  # the nodes asked
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+class Monitor(Protocol):
+    """The active-set monitor the round loop runs after each round (privacy.md §7)."""
+
+    kind: str  # the run config's ``monitor``
+
+    def observe(self, rnd: int, reports: Reports) -> Verdict:
+        """Fold round ``rnd``'s reports in and say whether the active count fell below the threshold."""
+        ...
+
+
+def build_monitor(cfg: CoordinatorConfig, rng: np.random.Generator) -> Monitor | None:
+    """The run's monitor (None: no monitor runs, and no monitor request is sent)."""
+    if cfg.monitor == "svt":
+        return SvtMonitor(threshold=cfg.monitor_threshold, epsilon=cfg.monitor_epsilon, rng=rng)
+    if cfg.monitor == "tree":
+        return TreeMonitor(threshold=cfg.monitor_threshold, n_units=cfg.n_public, levels=tree_levels(cfg.rounds))
+    return None
 
 
 class SvtMonitor:
@@ -40,6 +82,8 @@ class SvtMonitor:
     stops at the first "below". Split: LSL's optimal ratio eps_1 : eps_2 = 1 : c^(2/3) for
     monotone queries, which is 1 : 1 at c = 1.
     """
+
+    kind = "svt"
 
     def __init__(self, *, threshold: int, epsilon: float, rng: np.random.Generator) -> None:
         if not math.isfinite(epsilon) or epsilon <= 0:
@@ -63,6 +107,17 @@ class SvtMonitor:
         self.halted = below
         return Verdict(below=below)
 
+    def observe(self, rnd: int, reports: Reports) -> Verdict:
+        """The SVT on the sum of every client's active count, or "still above" when a count is missing.
+
+        A partial count would read as units leaving. Skipping the check depends on replies only
+        (not on the count), so it costs nothing; the SVT answers at a later round.
+        """
+        if len(reports.values) < reports.asked or any(values.size != 1 for values, _ in reports.values):
+            reports.errors["skipped-partial"] += 1
+            return Verdict(below=False)
+        return self.check(float(sum(float(values[0]) for values, _ in reports.values)))
+
 
 def dyadic_nodes(t: int) -> list[tuple[int, int]]:
     """The (level, end) tree nodes whose intervals (end - 2^level, end] partition (0, t]."""
@@ -85,6 +140,8 @@ class TreeMonitor:
     noise std is sigma_m sqrt(sum over those nodes of the clients that reported them); a client
     that missed a round leaves its halts out of that node (the estimate errs towards "more active").
     """
+
+    kind = "tree"
 
     def __init__(self, *, threshold: int, n_units: int, levels: int) -> None:
         self.threshold = threshold
@@ -110,7 +167,20 @@ class TreeMonitor:
         estimate = self.n_units - halted
         return Verdict(below=estimate < self.threshold, active_estimate=estimate, estimate_std=math.sqrt(variance))
 
+    def observe(self, rnd: int, reports: Reports) -> Verdict:
+        """Round ``rnd``'s level counts into the tree; a report with fewer than ``levels`` values is left out.
+
+        An aborted secagg session leaves round t's nodes at 0 (their halts are lost: the estimate errs
+        towards "more active", as with a client that misses a round in local trust).
+        """
+        good = [(values[: self.levels], std) for values, std in reports.values if values.size >= self.levels]
+        if len(good) < len(reports.values):
+            reports.errors["wrong-shape"] += len(reports.values) - len(good)
+        return self.add_round(rnd, good)
+
 
 def gaussian_bound(*, noise_std: float, queries: int, beta: float) -> float:
     """Half-width h with P(max over ``queries`` answers of |N(0, noise_std^2)| > h) <= beta (union bound)."""
+    from scipy.stats import norm  # on first use: scipy.stats takes most of a second to import
+
     return float(noise_std * norm.isf(beta / (2.0 * queries)))

@@ -11,10 +11,32 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+
+
+@dataclass
+class RoundLog:
+    """One line of ``rounds.jsonl``: aggregates only, never a node id, a per-client value or a client's text."""
+
+    round: int
+    task: str
+    replies: int
+    errors: dict[str, int]  # errors_by_code, plus the coordinator's checks and the plateau and monitor requests
+    errors_by_code: dict[str, int]  # the release request's failed replies by code name (secagg: every step's)
+    missing: int
+    noise_std: float  # sigma of each release (per client in local trust)
+    release_noise_std: float  # std of the noise in the released sum
+    duration_s: float
+    monitor: dict[str, Any] = field(default_factory=dict)
+    secagg: dict[str, Any] = field(default_factory=dict)  # clients left after each step, or why it aborted
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    query: dict[str, Any] | None = None
+    answer: float | None = None
+    bound: float | None = None
 
 
 def _json_default(value: object) -> object:

@@ -2,7 +2,9 @@
 
 One release in secagg trust is one session of protocol/secagg.py over the ordinary
 :class:`coordinator.transport.Transport` (one request per node per exchange, replies by
-node), so the in-process transport and Flower's grid both carry it:
+node), so the in-process transport and Flower's grid both carry it. :class:`SecaggRelease`
+wraps every release of a run (the round's, the plateau count's, the tree monitor's) this way;
+the round loop holds it as its release step (coordinator/release.py) and never asks the trust:
 
 1. ``query.secagg_keys`` to every node, with the fingerprint of the step-3 request: public keys,
    seed commitments, identities and signed advertisements; U1 (roster order: node id).
@@ -34,14 +36,19 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from coordinator.monitor import Reports
+from coordinator.release import Ask, Released, monitor_request
 from coordinator.transport import RoundReplies, Transport
 from protocol import messages as wire
 from protocol import secagg as sa
 from protocol.records import Payload
+
+if TYPE_CHECKING:
+    from coordinator.config import CoordinatorConfig
 
 BuildRequest = Callable[[int, wire.SecaggInput | None], wire.Request]
 
@@ -282,3 +289,47 @@ def secagg_release(
     out.total = sa.decode_fixed_point(ring, scale_bits=settings.scale_bits)
     out.noise_var = float(u3.size) * noise_std**2 / m
     return out
+
+
+class SecaggRelease:
+    """The release step of a secagg run: each release is one session; a session that aborts releases nothing.
+
+    An aborted session leaves the release's total at None: the round takes no step and answers
+    nothing, the plateau count reads as NaN, and the tree monitor's nodes of that round stay at 0.
+    """
+
+    def __init__(self, transport: Transport, cfg: CoordinatorConfig, nodes: list[int], settings: SecaggSettings):
+        self.transport, self.cfg, self.nodes, self.settings = transport, cfg, nodes, settings
+
+    def _session(self, ask: Ask, noise_std: float) -> SecaggRound:
+        return secagg_release(
+            self.transport,
+            run_id=self.cfg.run_id,
+            rnd=ask.rnd,
+            purpose=ask.purpose,
+            nodes=self.nodes,
+            settings=self.settings,
+            kind=ask.kind,
+            build=lambda node, secagg: ask.build(secagg),
+            size=ask.size,
+            noise_std=noise_std,
+            timeout=self.cfg.round_timeout,
+        )
+
+    def release(self, ask: Ask) -> Released:
+        masked = self._session(ask, self.cfg.noise_std)
+        return Released(masked.replies, Counter(masked.replies.errors), masked.total, masked.noise_var, masked.counts)
+
+    def reports(self, rnd: int) -> Reports:
+        """The tree monitor's reports summed in one session, at the node noise std every client reserved."""
+        noise_std = self.settings.monitor_noise_std
+        ask = Ask(
+            rnd,
+            "monitor",
+            wire.MONITOR,
+            partial(monitor_request, self.cfg, rnd, noise_std=noise_std),
+            self.settings.monitor_levels,
+        )
+        masked = self._session(ask, noise_std)
+        summed = [] if masked.total is None else [(masked.total, math.sqrt(masked.noise_var))]
+        return Reports(summed, asked=len(self.nodes), errors=Counter(masked.replies.errors))

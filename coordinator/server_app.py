@@ -8,6 +8,8 @@ Deployment (``flwr run``): the configuration comes from the run config
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from typing import Any
 
 from flwr.app import Context
@@ -18,6 +20,24 @@ from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import load_test_data, model_evaluator
 from coordinator.rounds import Evaluate, run
 from coordinator.transport import FlowerTransport
+
+logger = logging.getLogger(__name__)
+
+
+class _StdoutHandler(logging.Handler):
+    """Each message as one line on the current ``sys.stdout`` (what ``flwr run --stream`` shows)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stdout.write(self.format(record) + "\n")
+        sys.stdout.flush()
+
+
+def _show_on_stdout() -> None:
+    """The deployed run's summary line goes to stdout as plain text, once, whatever the root logger holds."""
+    if not any(isinstance(h, _StdoutHandler) for h in logger.handlers):
+        logger.addHandler(_StdoutHandler())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def build_server_app(
@@ -48,4 +68,5 @@ def main(grid: Grid, context: Context) -> None:
     summary = run(FlowerTransport(grid), cfg, evaluate=evaluate)
     summary.pop("parameters", None)
     summary.pop("rounds", None)
-    print(json.dumps(summary, default=str))
+    _show_on_stdout()
+    logger.info(json.dumps(summary, default=str))

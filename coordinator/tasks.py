@@ -1,0 +1,367 @@
+"""What a run does each round, as a :class:`Task` the round loop drives (the shape of Flower's ``Strategy``).
+
+The loop (coordinator/rounds.py) asks the task to configure the round's release, has the release
+step collect it (coordinator/release.py, or a secagg session per release), hands it back to the
+task to aggregate, and at the end asks the task to summarise. Tasks are registered by name (the
+run config's ``task``); a deployer may register another with :func:`register_task`.
+
+Gradient task (:class:`GradientTask`): federated GD with filtering (FZ Alg. 3 over units). Each
+round broadcasts the model, collects each client's sum of its units' clipped gradients, adds
+N(0, sigma^2 I) once in central trust (in local trust every client did), divides by the public
+number of enrolled units n (never by a count of who is active, privacy.md §4) and takes a step.
+With local steps (client units, DP-FedAvg, McMahan et al. 2018; :class:`LocalTrainingTask`) each
+client's row is its model update after local SGD instead of its gradient, clipped and charged the
+same way; the model moves by server_lr * (sum + noise) / n.
+
+Indicator task (:class:`IndicatorTask`): adaptive sparse counting queries (FZ Thm 1.2; the
+Gaussian filter of FZ Cor. 4.7). An analyst maps past answers to the next predicate; each round
+releases the noisy count. Each answer carries the error bound for the units still active: the
+released value minus the sum of the active units' (clipped) indicators is the sum of the Gaussian
+noise, of std sigma_rel (sigma in central trust, sigma sqrt(#clients that added noise) in local),
+so with the union bound over the run's at most ``rounds`` queries every answer is within
+sigma_rel z(beta / (2 rounds)) of that sum, all together with probability >= 1 - beta.
+(Derived from the Gaussian tail and a union bound; a unit that has stopped contributes 0, and a
+unit in its last, partially clipped round contributes its clipped value.)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import numpy as np
+
+from coordinator.analysts import Analyst, Answer, Query, build_analyst
+from coordinator.monitor import gaussian_bound
+from coordinator.release import Ask, Released, ReleaseStep
+from coordinator.report import RoundLog, RunWriter
+from protocol import messages as wire
+from protocol.workload import layout_fingerprint
+
+if TYPE_CHECKING:
+    from coordinator.config import CoordinatorConfig
+    from coordinator.enrolment import Enrolment
+
+Evaluate = Callable[[np.ndarray], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a task asks of every client's workload (checked at enrolment)."""
+
+    model: bool  # the run's model, built with the coordinator's parameter layout
+    queries: frozenset[str]  # counting queries by name
+
+
+@dataclass
+class RoundContext:
+    """One round in progress: its number, its log line and error counts, the run's release step and writer."""
+
+    rnd: int
+    log: RoundLog
+    errors: Counter[str]
+    release: ReleaseStep
+    writer: RunWriter
+
+
+class Task(Protocol):
+    """One run's task: configure each round's release, aggregate what it released, summarise the run."""
+
+    def configure(self, rnd: int) -> Ask | None:
+        """Round ``rnd``'s release, or None when the task has nothing more to ask (see :meth:`stop_reason`)."""
+        ...
+
+    def aggregate(self, released: Released, ctx: RoundContext) -> None:
+        """Fold the round's release into the task's state and log (and any release of its own, on ``ctx``)."""
+        ...
+
+    def stop_reason(self) -> str | None:
+        """Why the run stops now, or None to go on."""
+        ...
+
+    def summarise(self, logs: list[RoundLog], writer: RunWriter, enrolment: Enrolment) -> dict[str, Any]:
+        """The task's fields of ``summary.json`` (after its last round)."""
+        ...
+
+    def result(self) -> dict[str, Any]:
+        """What ``run()`` returns besides the summary (the model's parameters)."""
+        ...
+
+
+class TaskType(Protocol):
+    """A registered task: built before enrolment (so a bad model fails before any client is asked)."""
+
+    def build(self, cfg: CoordinatorConfig, *, analyst: Analyst | None, evaluate: Evaluate | None) -> Task: ...
+
+    def needs(self, cfg: CoordinatorConfig) -> Needs: ...
+
+
+TASKS: dict[str, TaskType] = {}  # the run config's ``task`` names (coordinator.config checks them)
+_T = TypeVar("_T", bound=TaskType)
+
+
+def register_task(name: str) -> Callable[[_T], _T]:
+    """Register a task class under ``name``."""
+
+    def register(task: _T) -> _T:
+        TASKS[name] = task
+        return task
+
+    return register
+
+
+# --- requests -----------------------------------------------------------------------------
+
+
+def common_fields(cfg: CoordinatorConfig, purpose: str, rnd: int) -> dict[str, Any]:
+    """Fields every contribution request of this run carries.
+
+    The id names the run, purpose and round, never Flower's node id: the simulation engine draws
+    node ids at random, and a seeded client (noise-seed) mixes the id into its noise, so an id
+    with the node in it would make seeded runs differ from one run to the next. Each client
+    keeps its own ledger, so the id need not be unique across clients.
+    """
+    return {
+        "request_id": f"{cfg.run_id}:{purpose}:r{rnd}",
+        "run_id": cfg.run_id,
+        "round": rnd,
+        "noise_std": cfg.noise_std,
+        "l2_clip": cfg.l2_clip,
+        "trust": cfg.trust,
+        "unit": cfg.unit,
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def _layout_of(workload: str, model: str, model_args: str) -> str:
+    import torch
+
+    from protocol.workload import load_workload
+
+    with torch.device("meta"):  # shapes only
+        return layout_fingerprint(load_workload(workload).build_model(model, **json.loads(model_args)))
+
+
+def model_layout(cfg: CoordinatorConfig) -> str:
+    """The parameter layout of the run's model (protocol.workload.layout_fingerprint), sent with every model."""
+    return _layout_of(cfg.workload, cfg.model, cfg.canonical_model_args)
+
+
+def indicator_request(
+    cfg: CoordinatorConfig,
+    purpose: str,
+    rnd: int,
+    query: Query,
+    secagg: wire.SecaggInput | None = None,
+    *,
+    parameters: np.ndarray | None = None,
+) -> wire.IndicatorRequest:
+    """A counting query; the 'correct' predicate also carries the model it evaluates."""
+    model: dict[str, Any] = {}
+    if parameters is not None:
+        model = {
+            "model": cfg.model,
+            "model_args": cfg.canonical_model_args,
+            "parameters": parameters,
+            "layout": model_layout(cfg),
+        }
+    return wire.IndicatorRequest(
+        **common_fields(cfg, purpose, rnd),
+        predicate=query.predicate,
+        column=query.column,
+        value=float(query.value),
+        **model,
+        secagg=secagg,
+    )
+
+
+# --- tasks --------------------------------------------------------------------------------
+
+
+@register_task("gradient")
+class GradientTask:
+    """Federated GD: broadcast the model, step by the noisy sum of clipped gradients over the public n.
+
+    Every ``plateau_every`` rounds it also releases a noisy count of correctly classified training
+    records (the private plateau test, a counting release every filter charges), evaluates on the
+    server's test data every ``eval_every`` rounds and checkpoints every ``checkpoint_every``.
+    """
+
+    def __init__(self, cfg: CoordinatorConfig, parameters: np.ndarray, evaluate: Evaluate | None) -> None:
+        self.cfg, self.parameters, self.evaluate = cfg, parameters, evaluate
+        self.metrics: dict[str, float] = {}
+        self.checkpoint: str | None = None
+        self.plateau_best, self.plateau_stale = -math.inf, 0
+
+    @classmethod
+    def build(cls, cfg: CoordinatorConfig, *, analyst: Analyst | None, evaluate: Evaluate | None) -> GradientTask:
+        from protocol.models import flatten_parameters  # torch, imported by the tasks that build a model only
+
+        model = cfg.load_workload().build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args))
+        parameters = flatten_parameters(model).astype(np.float32)
+        return (LocalTrainingTask if cfg.local_steps else GradientTask)(cfg, parameters, evaluate)
+
+    @staticmethod
+    def needs(cfg: CoordinatorConfig) -> Needs:
+        return Needs(model=True, queries=frozenset({"correct"} if cfg.plateau_every else ()))
+
+    def configure(self, rnd: int) -> Ask:
+        build = partial(self._request, rnd, self.parameters)
+        return Ask(rnd, "gradient", wire.GRADIENT, build, self.parameters.size)
+
+    def _request(self, rnd: int, parameters: np.ndarray, secagg: wire.SecaggInput | None) -> wire.GradientRequest:
+        cfg = self.cfg
+        return wire.GradientRequest(
+            **common_fields(cfg, "gradient", rnd),
+            model=cfg.model,
+            model_args=cfg.canonical_model_args,
+            parameters=parameters,
+            secagg=secagg,
+            layout=model_layout(cfg),
+            **self._local_fields(),
+        )
+
+    def _local_fields(self) -> dict[str, Any]:
+        return {}
+
+    def _moved(self, total: np.ndarray) -> np.ndarray:
+        """theta - learning_rate (sum + noise) / n."""
+        return self.parameters.astype(np.float64) - self.cfg.learning_rate * total / self.cfg.n_public
+
+    def aggregate(self, released: Released, ctx: RoundContext) -> None:
+        cfg, rnd = self.cfg, ctx.rnd
+        if released.total is not None:  # None: the secagg session released nothing, the model stays
+            step = self._moved(released.total)
+            if np.all(np.isfinite(step)) and np.all(np.abs(step) <= np.finfo(np.float32).max):
+                self.parameters = step.astype(np.float32)
+            else:  # a reply far out of range (a faulty or hostile client); post-processing, no privacy cost
+                ctx.errors["non-finite-step"] += 1
+        if cfg.plateau_every and rnd % cfg.plateau_every == 0:
+            self._plateau(ctx)
+        if self.evaluate is not None and cfg.eval_every and rnd % cfg.eval_every == 0:
+            self.metrics = self.evaluate(self.parameters)
+            ctx.log.metrics.update(self.metrics)
+        if cfg.checkpoint_every and rnd % cfg.checkpoint_every == 0:
+            self.checkpoint = ctx.writer.checkpoint(rnd, self.parameters)
+
+    def _plateau(self, ctx: RoundContext) -> None:
+        """Noisy count of correctly classified training records / n; stale when it does not beat the best."""
+        build = partial(indicator_request, self.cfg, "plateau", ctx.rnd, Query("correct"), parameters=self.parameters)
+        released = ctx.release.release(Ask(ctx.rnd, "plateau", wire.INDICATOR, build, 1))
+        ctx.errors.update({f"plateau-{name}": count for name, count in released.errors.items()})
+        accuracy = math.nan if released.total is None else float(released.total[0]) / self.cfg.n_public
+        # JSON has no NaN: an aborted secagg count is logged as null.
+        ctx.log.metrics["train_accuracy_private"] = None if math.isnan(accuracy) else accuracy
+        if math.isnan(accuracy):
+            pass  # an aborted secagg count says nothing: neither better nor stale
+        elif accuracy > self.plateau_best + self.cfg.plateau_min_delta:
+            self.plateau_best, self.plateau_stale = accuracy, 0
+        else:
+            self.plateau_stale += 1
+
+    def stop_reason(self) -> str | None:
+        stale = self.cfg.plateau_every and self.plateau_stale >= self.cfg.plateau_patience
+        return "plateau" if stale else None
+
+    def summarise(self, logs: list[RoundLog], writer: RunWriter, enrolment: Enrolment) -> dict[str, Any]:
+        """The final metrics (evaluated now unless the last round was) and the last checkpoint."""
+        if logs:
+            if self.evaluate is not None and not set(logs[-1].metrics) - {"train_accuracy_private"}:
+                self.metrics = self.evaluate(self.parameters)
+                logs[-1].metrics.update(self.metrics)
+            if self.cfg.output_dir:
+                self.checkpoint = writer.checkpoint(logs[-1].round, self.parameters)
+        out: dict[str, Any] = {"final_metrics": self.metrics}
+        if self.checkpoint:
+            out["checkpoint"] = self.checkpoint
+        return out
+
+    def result(self) -> dict[str, Any]:
+        return {"parameters": self.parameters}
+
+
+class LocalTrainingTask(GradientTask):
+    """Client units with local steps (DP-FedAvg): each row is a client's update after local SGD.
+
+    The update is clipped and charged as one Gaussian release, as a gradient row would be; the
+    model moves by server_lr * (sum + noise) / n.
+    """
+
+    def _local_fields(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "local_steps": cfg.local_steps,
+            "local_lr": float(cfg.local_lr),
+            "local_batch_size": cfg.local_batch_size,
+        }
+
+    def _moved(self, total: np.ndarray) -> np.ndarray:
+        """theta + server_lr (sum + noise) / n: the noisy sum of clipped updates, averaged by the public n."""
+        return self.parameters.astype(np.float64) + self.cfg.server_lr * total / self.cfg.n_public
+
+
+@register_task("indicator")
+class IndicatorTask:
+    """Adaptive counting queries: the analyst's next query each round, answered with its error bound."""
+
+    def __init__(self, cfg: CoordinatorConfig, analyst: Analyst) -> None:
+        self.cfg, self.analyst = cfg, analyst
+        self.answers: list[Answer] = []
+        self.query: Query | None = None
+
+    @classmethod
+    def build(cls, cfg: CoordinatorConfig, *, analyst: Analyst | None, evaluate: Evaluate | None) -> IndicatorTask:
+        if analyst is None:
+            analyst = build_analyst(cfg.analyst, rounds=cfg.rounds, columns=cfg.query_columns or cfg.rounds)
+        return cls(cfg, analyst)
+
+    @staticmethod
+    def needs(cfg: CoordinatorConfig) -> Needs:
+        return Needs(model=False, queries=frozenset({"column"}))  # the analysts' counting queries
+
+    def configure(self, rnd: int) -> Ask | None:
+        self.query = self.analyst(list(self.answers))
+        if self.query is None:
+            return None
+        build = partial(indicator_request, self.cfg, "indicator", rnd, self.query)
+        return Ask(rnd, "indicator", wire.INDICATOR, build, 1)
+
+    def aggregate(self, released: Released, ctx: RoundContext) -> None:
+        assert self.query is not None
+        ctx.log.query = asdict(self.query)  # asked, and answered only if something was released
+        if released.total is not None:
+            cfg = self.cfg
+            bound = gaussian_bound(noise_std=ctx.log.release_noise_std, queries=cfg.rounds, beta=cfg.accuracy_beta)
+            answer = Answer(ctx.rnd, self.query, float(released.total[0]), bound)
+            self.answers.append(answer)
+            ctx.log.answer, ctx.log.bound = answer.value, bound
+
+    def stop_reason(self) -> str | None:
+        return "analyst_done" if self.query is None else None
+
+    def summarise(self, logs: list[RoundLog], writer: RunWriter, enrolment: Enrolment) -> dict[str, Any]:
+        """The answers with their bounds, and how many queries worst-case accounting would have allowed."""
+        cfg = self.cfg
+        sensitivity = min(cfg.l2_clip, 1.0) if cfg.unit == "record" else cfg.l2_clip
+        return {
+            "queries_answered": len(self.answers),
+            "worst_case_queries": enrolment.worst_case_rounds((sensitivity / cfg.noise_std) ** 2),
+            "accuracy": {
+                "beta": cfg.accuracy_beta,
+                "rule": "answer - (sum of the active units' clipped indicators) is within bound, "
+                "for all answers together with probability >= 1 - beta (Gaussian tail, union bound over rounds)",
+            },
+            "answers": [
+                {"round": a.round, **asdict(a.query), "value": a.value, "bound": a.bound} for a in self.answers
+            ],
+            "final_metrics": {"queries_answered": float(len(self.answers))},
+        }
+
+    def result(self) -> dict[str, Any]:
+        return {}
