@@ -4,7 +4,7 @@ The same run configuration, clients and data go through
   simulated = Flower's simulation engine (Ray, ``run_simulation``), the real ServerApp and ClientApp
               (:func:`simulations.engine.run_flower`);
   deployed  = ``flower-superlink`` with TLS and node authentication, one ``flower-supernode`` per
-              client agent, ``flwr run`` (:class:`simulations.local_deployment.LocalDeployment`),
+              client agent, ``flwr run`` (:class:`simulations.deploy.local.LocalDeployment`),
               all on 127.0.0.1.
 Round latency is the coordinator's own ``duration_s`` per round (``rounds.jsonl``: request out to
 the last reply in), the same code on both paths. Each path gets fresh ledgers. The budget is large
@@ -29,11 +29,13 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 from coordinator.config import CoordinatorConfig
-from simulations.data import partition_iid, synthetic_classification
-from simulations.deploy import make_node_keys, write_agent_files
+from simulations.datasets.partition import partition_iid
+from simulations.datasets.synthetic import synthetic_classification
+from simulations.deploy.agent_files import write_agent_files
+from simulations.deploy.keys import make_node_keys
+from simulations.deploy.local import LocalDeployment, stage_app
 from simulations.engine import run_flower
 from simulations.federation import write_clients
-from simulations.local_deployment import LocalDeployment, stage_app
 
 AGENT = {"epsilon": 50.0, "delta": 1e-5, "unit": "record", "trust": "local"}
 

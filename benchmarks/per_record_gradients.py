@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from client_agent.gradients import per_example_gradients, summed_gradient
 from protocol.models import build_model, parameter_count
-from simulations.data import default_data_dir, load_idx_dataset, normalise_images
+from simulations.datasets.idx import default_data_dir, load_idx_dataset, normalise_images
 
 DEFAULT_DATA_DIR = default_data_dir()
 LOSS = functools.partial(F.cross_entropy, reduction="none")

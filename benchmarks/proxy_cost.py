@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from simulations.deploy import write_agent_toml
+from simulations.deploy.agent_files import write_agent_toml
 
 ENV = os.environ | {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 FEATURES, CLASSES = 784, 10

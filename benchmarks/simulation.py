@@ -40,7 +40,7 @@ from client_agent.gradients import summed_gradient
 from client_agent.workloads import _cross_entropy
 from coordinator.config import CoordinatorConfig
 from protocol.models import build_model, flatten_parameters, load_flat_parameters
-from simulations.data import synthetic_classification
+from simulations.datasets.synthetic import synthetic_classification
 from simulations.engine import backend_config, run_flower
 from simulations.federation import write_clients
 
@@ -143,7 +143,7 @@ def throughput(records: int) -> None:
     import per_record_gradients as prg
 
     from client_agent.gradients import per_example_gradients
-    from simulations.data import default_data_dir
+    from simulations.datasets.idx import default_data_dir
 
     x, y = prg.load_mnist(default_data_dir(), records)
     model = build_model("opacus_mnist_cnn")

@@ -31,8 +31,9 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 from client_agent.ledger_report import ledger_summary  # noqa: E402
-from simulations.deploy import demo_parts, make_node_keys, write_agent_files  # noqa: E402
-from simulations.local_deployment import DeploymentError, LocalDeployment  # noqa: E402
+from simulations.deploy.agent_files import demo_parts, write_agent_files  # noqa: E402
+from simulations.deploy.keys import make_node_keys  # noqa: E402
+from simulations.deploy.local import DeploymentError, LocalDeployment  # noqa: E402
 
 RECORDS = 40
 

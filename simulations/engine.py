@@ -12,6 +12,7 @@ from coordinator.analysts import Analyst
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Evaluate
 from coordinator.server_app import build_server_app
+from simulations.errors import SimulationError
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
@@ -87,4 +88,4 @@ def run_engine(
         from simulations.inprocess import InProcessTransport
 
         return run(InProcessTransport(node_configs), cfg, evaluate=evaluate)
-    raise ValueError(f"--engine: expected one of {ENGINES}, got {engine!r}")
+    raise SimulationError(f"--engine: expected one of {ENGINES}, got {engine!r}")

@@ -1,7 +1,7 @@
-"""Datasets for the simulations: MNIST / Fashion-MNIST IDX files, client partitions, synthetic data.
+"""MNIST / Fashion-MNIST IDX files: locate, download on request, verify, parse, normalise.
 
-I/O sits at the edge: :func:`load_idx_dataset` is the only function here that touches disk or the
-network, and it never downloads unless asked (``download=True``); nothing happens at import time.
+I/O sits at the edge: :func:`load_idx_dataset` is the only function in ``simulations.datasets`` that
+touches disk or the network, and it never downloads unless asked (``download=True``); nothing happens at import time.
 Every file is checked against the published size and SHA-256 (``shared/data/README.md``) before it
 is parsed, and the parsed header (magic, count, rows, cols) is checked against the IDX layout.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import math
 import os
 import shutil
 import struct
@@ -23,16 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-# --------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------
+from protocol.errors import FedfilterError
+from simulations.datasets.checks import DataParameterError
 
 
-class DataParameterError(ValueError):
-    """A data or partition parameter is unknown, non-finite or out of range."""
-
-
-class DatasetFileError(ValueError):
+class DatasetFileError(FedfilterError, ValueError):
     """A dataset file exists but its bytes or its contents are not what was expected."""
 
 
@@ -44,7 +38,7 @@ class IdxFormatError(DatasetFileError):
     """A dataset file is not a valid IDX file of the expected kind (magic, dims, length, gzip)."""
 
 
-class DatasetNotFoundError(FileNotFoundError):
+class DatasetNotFoundError(FedfilterError, FileNotFoundError):
     """A dataset file is missing and was not (or could not be) downloaded."""
 
 
@@ -167,7 +161,7 @@ _CHUNK_BYTES = 1 << 20
 
 def default_data_dir() -> Path:
     """The shared offline copy (``<repo>/../shared/data``) if it exists, else ``~/.cache/fedfilter/data``."""
-    shared = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    shared = Path(__file__).resolve().parents[3] / "shared" / "data"
     if shared.is_dir():
         return shared
     return Path.home() / ".cache" / "fedfilter" / "data"
@@ -356,178 +350,3 @@ def normalise_images(images: np.ndarray, *, dataset: str = "mnist") -> np.ndarra
     scaled = images.astype(np.float32) / np.float32(255.0)
     out = (scaled - np.float32(mean)) / np.float32(std)
     return out[:, None, :, :]
-
-
-# --------------------------------------------------------------------------------------------
-# Partitions into clients
-# --------------------------------------------------------------------------------------------
-
-
-def _int_at_least(name: str, value: object, lower: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise DataParameterError(f"{name}: expected an int >= {lower}, got {value!r} ({type(value).__name__})")
-    if int(value) < lower:
-        raise DataParameterError(f"{name}: expected an int >= {lower}, got {value!r}")
-    return int(value)
-
-
-def _finite_positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise DataParameterError(f"{name}: expected a finite number > 0, got {value!r} ({type(value).__name__})")
-    out = float(value)
-    if not math.isfinite(out) or out <= 0.0:
-        raise DataParameterError(f"{name}: expected a finite number > 0, got {value!r}")
-    return out
-
-
-def partition_iid(n_items: int, n_clients: int, *, seed: int) -> list[np.ndarray]:
-    """Shuffle ``range(n_items)`` into ``n_clients`` disjoint sorted int64 arrays whose sizes differ by at most 1."""
-    n_items = _int_at_least("n_items", n_items, 0)
-    n_clients = _int_at_least("n_clients", n_clients, 1)
-    if n_items < n_clients:
-        raise DataParameterError(f"n_items: expected at least n_clients={n_clients} items, got {n_items}")
-    perm = np.random.default_rng(seed).permutation(n_items).astype(np.int64)
-    return [np.sort(part) for part in np.array_split(perm, n_clients)]
-
-
-_DIRICHLET_MAX_TRIES = 1000
-
-
-def partition_dirichlet(
-    labels: np.ndarray, n_clients: int, *, alpha: float, seed: int, min_size: int = 1
-) -> list[np.ndarray]:
-    """Label-skewed split: each class is divided among clients in Dirichlet(alpha) proportions.
-
-    The per-class Dirichlet split of Hsu, Qi & Brown (2019, arXiv:1909.06335), as implemented in
-    FedMA / NIID-Bench (Li et al. 2022): a client already holding ``n / n_clients`` items gets no
-    further share, and the draw is repeated until every client has at least ``min_size`` items.
-    Small ``alpha`` gives few classes per client; large ``alpha`` approaches IID. Returns disjoint
-    sorted int64 index arrays covering ``range(len(labels))``; deterministic given ``seed``.
-    """
-    labels = np.asarray(labels)
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise DataParameterError(f"labels: expected a 1-D integer array, got {labels.dtype} {labels.shape}")
-    n_clients = _int_at_least("n_clients", n_clients, 1)
-    alpha = _finite_positive("alpha", alpha)
-    min_size = _int_at_least("min_size", min_size, 0)
-    n_items = labels.shape[0]
-    if n_items < n_clients * min_size:
-        raise DataParameterError(
-            f"min_size: expected n_clients * min_size <= {n_items} items, got {n_clients} * {min_size}"
-        )
-    rng = np.random.default_rng(seed)
-    by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
-    cap = n_items / n_clients
-    for _ in range(_DIRICHLET_MAX_TRIES):
-        parts: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
-        sizes = np.zeros(n_clients, dtype=np.int64)
-        for idx in by_class:
-            idx = rng.permutation(idx)
-            share = rng.dirichlet(np.full(n_clients, alpha))
-            open_clients = sizes < cap
-            share = np.where(open_clients, share, 0.0)
-            total = share.sum()
-            if not np.isfinite(total) or total <= 0.0:  # tiny alpha can underflow every open share to 0
-                share, total = open_clients.astype(np.float64), float(open_clients.sum())
-            cuts = (np.cumsum(share / total) * len(idx)).astype(np.int64)[:-1]
-            for client, chunk in enumerate(np.split(idx, cuts)):
-                parts[client].append(chunk)
-                sizes[client] += len(chunk)
-        if sizes.min() >= min_size:
-            return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
-    raise DataParameterError(
-        f"min_size: no Dirichlet(alpha={alpha}) split of {n_items} items over {n_clients} clients gave every client "
-        f">= {min_size} items in {_DIRICHLET_MAX_TRIES} draws; lower min_size or n_clients, or raise alpha"
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Synthetic data
-# --------------------------------------------------------------------------------------------
-
-
-def synthetic_classification(
-    n: int, d: int, n_classes: int, *, seed: int, separation: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """Gaussian blobs: balanced labels, class means at distance ``separation`` from 0, unit-variance noise.
-
-    Returns ``X`` float32 ``(n, d)`` and ``y`` int64 ``(n,)``; a (softmax) logistic regression learns it
-    well once ``separation`` is a few noise standard deviations.
-    """
-    n = _int_at_least("n", n, 1)
-    d = _int_at_least("d", d, 1)
-    n_classes = _int_at_least("n_classes", n_classes, 2)
-    separation = _finite_positive("separation", separation)
-    if n < n_classes:
-        raise DataParameterError(f"n: expected at least n_classes={n_classes} samples, got {n}")
-    rng = np.random.default_rng(seed)
-    directions = rng.standard_normal((n_classes, d))
-    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
-    means = separation * directions
-    y = rng.permutation(np.arange(n) % n_classes).astype(np.int64)
-    x = means[y] + rng.standard_normal((n, d))
-    return x.astype(np.float32), y
-
-
-# Number of positives per unit, s in 1..s_max: name -> unnormalised weight of s.
-DENSITY_PROFILES = ("heavy_tailed", "uniform", "constant")
-
-
-def _positives_per_unit(n_units: int, s_max: int, profile: str, rng: np.random.Generator) -> np.ndarray:
-    s = np.arange(1, s_max + 1)
-    if profile == "heavy_tailed":
-        weights = s.astype(np.float64) ** -2.0  # P(s) ∝ s^-2 on 1..s_max: median 1, a few units reach s_max
-    elif profile == "uniform":
-        weights = np.ones(s_max)
-    elif profile == "constant":
-        return np.full(n_units, s_max, dtype=np.int64)
-    else:
-        raise DataParameterError(f"density_profile: expected one of {list(DENSITY_PROFILES)}, got {profile!r}")
-    return rng.choice(s, size=n_units, p=weights / weights.sum())
-
-
-def sparse_indicator_data(
-    n_units: int, k_queries: int, s_max: int, *, seed: int, density_profile: str = "heavy_tailed"
-) -> np.ndarray:
-    """uint8 ``(n_units, k_queries)`` 0/1 matrix; row ``i`` is positive on ``s_i <= s_max`` random queries.
-
-    Models the sparse adaptive counting queries of Feldman & Zrnic (2021), Thm 1.2: a unit's
-    individual privacy loss grows with the number of queries it is positive on, so with a
-    heavy-tailed ``s_i`` most units spend far less than the worst case ``s_max``.
-    Profiles: "heavy_tailed" (P(s) ∝ s^-2 on 1..s_max), "uniform" (on 1..s_max), "constant" (all s_max).
-    """
-    n_units = _int_at_least("n_units", n_units, 1)
-    k_queries = _int_at_least("k_queries", k_queries, 1)
-    s_max = _int_at_least("s_max", s_max, 1)
-    if s_max > k_queries:
-        raise DataParameterError(f"s_max: expected s_max <= k_queries={k_queries}, got {s_max}")
-    rng = np.random.default_rng(seed)
-    counts = _positives_per_unit(n_units, s_max, density_profile, rng)
-    data = np.zeros((n_units, k_queries), dtype=np.uint8)
-    for row, count in enumerate(counts):
-        data[row, rng.choice(k_queries, size=int(count), replace=False)] = 1
-    return data
-
-
-def mnist_silos(
-    clients: int,
-    *,
-    seed: int,
-    data_dir: Path | None = None,
-    download: bool = False,
-    train_limit: int | None = None,
-) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray]:
-    """MNIST split iid over ``clients`` silos: ``(parts, test_x, test_y)``, images normalised to (n, 1, 28, 28).
-
-    ``train_limit`` keeps that many training records, drawn with ``seed`` (small test versions).
-    """
-    data_dir = data_dir or default_data_dir()
-    train_x, train_y = load_idx_dataset("mnist", data_dir, split="train", download=download)
-    test_x, test_y = load_idx_dataset("mnist", data_dir, split="test", download=download)
-    if train_limit is not None:
-        limit = _int_at_least("train_limit", train_limit, 1)
-        keep = np.sort(np.random.default_rng(seed).permutation(len(train_x))[:limit])
-        train_x, train_y = train_x[keep], train_y[keep]
-    train_x = normalise_images(train_x, dataset="mnist")
-    parts = [(train_x[idx], train_y[idx]) for idx in partition_iid(len(train_x), clients, seed=seed)]
-    return parts, normalise_images(test_x, dataset="mnist"), test_y

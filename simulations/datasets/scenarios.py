@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulations.data import sparse_indicator_data
+from simulations.datasets.synthetic import sparse_indicator_data
 
 # Staircase groups: record r is positive on these columns of the 4 that a cycling analyst asks.
 STAIRCASE_COLUMNS: tuple[tuple[int, ...], ...] = ((0, 1, 2, 3), (0, 1), (0,), ())

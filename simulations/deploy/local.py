@@ -45,7 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from simulations.deploy import CONNECTION, Certificates, check_agent_file, make_certificates, write_connection
+from protocol.errors import FedfilterError
+from simulations.deploy.agent_files import check_agent_file
+from simulations.deploy.certs import CONNECTION, Certificates, make_certificates, write_connection
 
 FLOWER_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -58,7 +60,7 @@ ACTIVATION_REFUSED = "Failed to activate SuperNode"
 _NODE_ID = re.compile(r"SuperNode ID: (\d+)")
 
 
-class DeploymentError(RuntimeError):
+class DeploymentError(FedfilterError, RuntimeError):
     """A process of the local deployment did not start, refused, or a run ended without its summary."""
 
 
@@ -155,7 +157,7 @@ def stage_app(dest: Path, source: Path | None = None) -> Path:
     ``flwr run`` bundles every ``.py``/``.toml``/``.md`` under the app folder; a staged copy keeps
     the bundle to what the ServerApp and ClientApp need.
     """
-    source = source or Path(__file__).resolve().parents[1]
+    source = source or Path(__file__).resolve().parents[2]
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("pyproject.toml", "README.md"):
         if (source / name).exists():

@@ -14,7 +14,6 @@ exits 0 even when the ServerApp fails. This wrapper
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -25,10 +24,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from protocol.errors import FedfilterError
+
 _STARTED = re.compile(r"Successfully started run (\d+)")
 
 
-class RunConfigError(ValueError):
+class RunConfigError(FedfilterError, ValueError):
     """A run configuration the app or the coordinator would refuse."""
 
 
@@ -84,22 +85,11 @@ def run_status(flwr: str, connection: str, run_id: int) -> dict[str, Any]:
     return dict(runs[0])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedfilter run", description=__doc__.splitlines()[0])
-    parser.add_argument("app", type=Path, help="the Flower app folder (pyproject.toml)")
-    parser.add_argument("connection", help="the SuperLink connection name in FLWR_HOME/config.toml")
-    parser.add_argument("-c", "--run-config", action="append", default=[], help="key=value overrides (TOML)")
-    args = parser.parse_args(argv)
-    return run(args.app, args.connection, args.run_config)
-
-
 def run(app: Path, connection: str, overrides: Sequence[str]) -> int:
-    """Check, run, and return 0 only if Flower records the run as completed."""
-    try:
-        checked_run_config(app, overrides)
-    except RunConfigError as exc:
-        print(f"fedfilter run: error: {exc}", file=sys.stderr)
-        return 2
+    """Check (a :class:`RunConfigError` before anything is submitted), run, and return 0 only if Flower
+    records the run as completed.
+    """
+    checked_run_config(app, overrides)
     flwr = shutil.which("flwr") or str(Path(sys.executable).with_name("flwr"))
     argv = [flwr, "run", str(app), connection, *[a for o in overrides for a in ("-c", o)], "--stream"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -30,7 +30,8 @@ get ``TUNED_FILTER_STEPS`` x T0 steps, since with clip C0 a record at full norm 
 exactly at T0 and only records with smaller gradients continue.
 
 Every finished trial appends one JSON line to the results file (``--results``), so trials
-accumulate across runs and machines; ``report`` renders the table and Fig. 1 from it.
+accumulate across runs and machines; ``fedfilter reproduce fz-mnist-report`` renders the table
+and Fig. 1 from it (:mod:`simulations.cli.reproduce`).
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
-from coordinator.evaluation import model_evaluator
 from protocol.filters import GaussianFilter
-from simulations.data import mnist_silos
+from simulations.datasets.partition import mnist_silos
+from simulations.errors import SimulationError
 from simulations.federation import write_clients
+from simulations.presets.base import active_per_round
 
 DELTA = 1e-5
 EPSILONS = (0.3, 0.5, 1.0)
@@ -123,11 +125,11 @@ class Cell:
 def cell(epsilon: float, regime: str, method: str, *, tuned: Tuned | None = None) -> Cell:
     """The settings of one cell of the table (see the module docstring for the rules)."""
     if epsilon not in TUNED and tuned is None:
-        raise ValueError(f"--epsilon: expected one of {sorted(TUNED)} (or explicit tuned values), got {epsilon!r}")
+        raise SimulationError(f"--epsilon: expected one of {sorted(TUNED)} (or explicit tuned values), got {epsilon!r}")
     if regime not in REGIMES:
-        raise ValueError(f"--regime: expected one of {list(REGIMES)}, got {regime!r}")
+        raise SimulationError(f"--regime: expected one of {list(REGIMES)}, got {regime!r}")
     if method not in METHODS:
-        raise ValueError(f"--method: expected one of {list(METHODS)}, got {method!r}")
+        raise SimulationError(f"--method: expected one of {list(METHODS)}, got {method!r}")
     t = tuned or TUNED[epsilon]
     renyi = GaussianFilter.renyi(epsilon=epsilon, delta=DELTA)
     sigma = t.clip * math.sqrt(t.steps / renyi.threshold)
@@ -180,11 +182,12 @@ def run_trial(
     ``train_limit`` keeps only that many training records (the test suite's small version);
     the reproduction itself uses all 60,000.
     """
-    from simulations.simulate import active_per_round
+    from coordinator.evaluation import model_evaluator  # torch: imported when a trial runs, not by the CLI's parser
+    from simulations.engine import run_engine
 
     ledgers = out / "ledgers"
     if ledgers.exists() and any(ledgers.iterdir()):
-        raise ValueError(f"--out: {ledgers} already holds ledgers from an earlier trial; choose a new folder")
+        raise SimulationError(f"--out: {ledgers} already holds ledgers from an earlier trial; choose a new folder")
     parts, test_x, test_y = mnist_silos(CLIENTS, seed=seed, data_dir=data_dir, train_limit=train_limit)
     n_train = sum(len(p[0]) for p in parts)
     per = write_clients(
@@ -217,8 +220,6 @@ def run_trial(
     )
     evaluate = model_evaluator(cfg, test_x, test_y)
     started = time.monotonic()
-    from simulations.engine import run_engine
-
     summary = run_engine(engine, cfg, per, evaluate=evaluate)
     wall = time.monotonic() - started
     accuracy = {r["round"]: r["metrics"]["accuracy"] for r in summary["rounds"] if "accuracy" in r.get("metrics", {})}
@@ -263,10 +264,10 @@ def load_results(path: Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: expected one JSON object per line, found: {exc}") from exc
+            raise SimulationError(f"{path}:{n}: expected one JSON object per line, found: {exc}") from exc
         missing = sorted(RESULT_KEYS - set(row)) if isinstance(row, dict) else sorted(RESULT_KEYS)
         if missing:
-            raise ValueError(f"{path}:{n}: expected a trial with keys {sorted(RESULT_KEYS)}, missing {missing}")
+            raise SimulationError(f"{path}:{n}: expected a trial with keys {sorted(RESULT_KEYS)}, missing {missing}")
         rows.append(row)
     return rows
 
@@ -387,82 +388,3 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def add_commands(sub: Any) -> None:
-    """``fedfilter reproduce fz-mnist`` (run trials, append them) and ``fedfilter reproduce fz-mnist-report``."""
-    p = sub.add_parser(
-        "reproduce",
-        help="paper reproductions that take long (FZ Sec. 5.1 table and Fig. 1 on MNIST)",
-        description="Long reproductions; each finished trial is appended to a results file.",
-    )
-    rsub = p.add_subparsers(dest="reproduction", required=True)
-    run = rsub.add_parser(
-        "fz-mnist",
-        help="trials of one or more cells of FZ's Sec. 5.1 table (10 silos, Flower simulation engine)",
-        description=(
-            "Private GD against GD with individual filtering on MNIST (FZ Sec. 5.1). Each trial is a federation of "
-            "10 silos x 6,000 records; about 20 s per step on 2 CPU cores. Results are appended to --results."
-        ),
-    )
-    run.add_argument("--epsilon", type=float, nargs="+", default=list(EPSILONS), help="default: 0.3 0.5 1.0")
-    run.add_argument("--regime", nargs="+", default=["suboptimal"], choices=REGIMES, help="default: suboptimal")
-    run.add_argument("--method", nargs="+", default=list(METHODS), choices=METHODS, help="default: gd renyi gdp")
-    run.add_argument("--trials", type=int, default=1, help="trials per cell (seeds --seed, --seed+1, ...)")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument(
-        "--results", type=Path, default=DEFAULT_RESULTS, help=f"JSON lines file (default {DEFAULT_RESULTS})"
-    )
-    run.add_argument("--out", type=Path, default=Path("fedfilter-out/fz-mnist"), help="trial folders go here")
-    run.add_argument("--data-dir", type=Path, help="folder with the MNIST IDX files")
-    run.add_argument("--engine", default="flower", choices=["flower", "inprocess"])
-    run.set_defaults(handler=_run_cells)
-    rep = rsub.add_parser(
-        "fz-mnist-report", help="the table (markdown), Fig. 1 and accuracy against step (PNG) from the results file"
-    )
-    rep.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
-    rep.add_argument("--fig", type=Path, default=Path("docs/img/fz_fig1_active.png"))
-    rep.add_argument("--accuracy-fig", type=Path, default=Path("docs/img/fz_sec51_accuracy.png"))
-    rep.set_defaults(handler=_run_report)
-
-
-def _run_cells(args: Any) -> int:
-    if args.trials < 1:
-        raise ValueError(f"--trials: expected an integer >= 1, got {args.trials}")
-    cells = [cell(e, r, m) for r in args.regime for e in args.epsilon for m in args.method]
-    # Before hours of training: the results file must be readable and writable, or say why now.
-    load_results(args.results)
-    try:
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        with args.results.open("a"):
-            pass
-    except OSError as exc:
-        raise ValueError(f"--results: expected a writable JSON lines file, got {args.results}: {exc}") from exc
-    for k in range(args.trials):
-        seed = args.seed + k
-        for c in cells:
-            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-            out = args.out / f"eps{c.epsilon}-{c.regime}-{c.method}-seed{seed}-{stamp}"
-            print(
-                f"fz-mnist: eps={c.epsilon} {c.regime} {c.method}: {c.steps} steps, C={c.clip:g}, "
-                f"sigma={c.noise_std:.3f}, lr={c.learning_rate:g}, seed {seed} -> {out}",
-                flush=True,
-            )
-            record = run_trial(c, seed=seed, out=out, data_dir=args.data_dir, engine=args.engine)
-            append_result(args.results, record)
-            print(
-                f"fz-mnist: test accuracy {100 * record['final_accuracy']:.2f}% after {record['rounds_completed']} "
-                f"steps ({record['wall_s']:.0f} s); appended to {args.results}",
-                flush=True,
-            )
-    return 0
-
-
-def _run_report(args: Any) -> int:
-    rows = load_results(args.results)
-    print(table_markdown(rows))
-    fig = plot_fig1(rows, args.fig)
-    acc = plot_accuracy(rows, args.accuracy_fig)
-    print(f"\n{len(rows)} trials in {args.results}; Fig. 1: {fig if fig else 'no filtered run at eps 0.3/0.5 yet'}")
-    print(f"accuracy against step: {acc if acc else 'no full-scale trial yet'}")
-    return 0

@@ -1,0 +1,88 @@
+"""``fedfilter agent``: serve a client agent, write its secagg identity, check its file, write demo agents."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from simulations.cli.arguments import Subparsers
+
+
+def add_parser(sub: Subparsers) -> None:
+    """``fedfilter agent serve|keygen|check|demo``."""
+    agent = sub.add_parser("agent", help="client agent: serve it, check its configuration, write demo agents")
+    asub = agent.add_subparsers(dest="agent_command", required=True)
+    serve = asub.add_parser(
+        "serve",
+        help="run the data owner's agent service on the Unix socket its TOML names (agent-socket)",
+        description=(
+            "The client agent as the data owner's own long-lived service (privacy.md §10): it loads the "
+            "configuration, the data and the ledger, and answers the node's ClientApp proxy on the Unix socket "
+            "`agent-socket` (mode `agent-socket-mode`, default 0660) until SIGTERM. Run it as its own OS user."
+        ),
+    )
+    serve.add_argument("path", type=Path, help="the agent TOML")
+    serve.set_defaults(handler=run_serve)
+    keygen = asub.add_parser(
+        "keygen",
+        help="write the agent's secagg identity key (secagg-identity-key) and print its public key",
+        description=(
+            "Writes PATH (mode 0600, never overwritten): the agent's long-term Ed25519 key, with which it signs "
+            "its secagg key advertisements and survivor sets. Give the printed public key to the other data "
+            "owners for their secagg-peers files, outside the coordinator."
+        ),
+    )
+    keygen.add_argument("path", type=Path, help="the identity key file to create")
+    keygen.set_defaults(handler=run_keygen)
+    check = asub.add_parser("check", help="validate an agent TOML (configuration, data, ledger) before starting")
+    check.add_argument("path", type=Path)
+    check.set_defaults(handler=run_check)
+    demo = asub.add_parser(
+        "demo",
+        help="demo agents for trying a deployment: synthetic data and an agent TOML each",
+        description="Writes OUT/data{i}.npz, OUT/agent{i}.toml (absolute paths) and OUT/ledgers/ for --agents agents.",
+    )
+    demo.add_argument("--out", type=Path, required=True)
+    demo.add_argument("--agents", type=int, default=3)
+    demo.add_argument("--records", type=int, default=40, help="records per agent (default 40)")
+    demo.add_argument("--epsilon", type=float, default=2.0)
+    demo.add_argument("--delta", type=float, default=1e-5)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(handler=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from simulations.deploy.agent_files import demo_parts, write_agent_files
+    from simulations.deploy.files import DeployFileError
+
+    existing = sorted(str(p) for p in args.out.glob("agent*.toml")) if args.out.exists() else []
+    if existing:
+        raise DeployFileError(f"refusing to overwrite existing agent files {existing}")
+    parts = demo_parts(args.agents, records=args.records, seed=args.seed)
+    for path in write_agent_files(args.out, parts, epsilon=args.epsilon, delta=args.delta, unit="record"):
+        print(f"wrote {path}")
+    print(f"n-public for a run with all of them: {args.agents * args.records}")
+    return 0
+
+
+def run_keygen(args: argparse.Namespace) -> int:
+    from client_agent.identity import write_identity
+
+    public = write_identity(args.path)
+    print(f"wrote {args.path} (0600)")
+    print(f"identity (for the other owners' secagg-peers files): {public.hex()}")
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from client_agent.service import main as serve_main
+
+    return serve_main(args.path)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from simulations.deploy.agent_files import check_agent_file
+
+    print(json.dumps(check_agent_file(args.path), indent=2, default=str))
+    return 0
