@@ -33,13 +33,14 @@ import numpy as np
 from numpy.typing import NDArray
 
 from client_agent import secagg_client
-from client_agent.config import AgentConfig, AgentConfigError
+from client_agent.config import AgentConfig, AgentConfigError, PolicyError
 from client_agent.data_sources import materialise
 from client_agent.identity import load_identity, load_peers
 from client_agent.ledger import Ledger, LedgerConfig, LedgerError
 from client_agent.streaming import Contributions, RowContributions, StreamedGradients, contributions_of
 from protocol import messages as wire
 from protocol import secagg as sa
+from protocol.errors import FedfilterError
 from protocol.filters import Charge, FilterState, charge, clip_scales, partial_clip, remaining
 from protocol.realisation import RealisationFilter, RealisationState, advance, decide, realised_loss
 from protocol.workload import (
@@ -56,12 +57,26 @@ FLOAT32_EPS = float(np.finfo(np.float32).eps)
 LOG = logging.getLogger("fedfilter.agent")
 
 
-class PolicyError(ValueError):
-    """A request the client's policy does not allow (nothing is spent)."""
-
-
-class ReplayError(ValueError):
+class ReplayError(FedfilterError, ValueError):
     """A request id already answered, reused with other content."""
+
+
+# Each exception's wire code, most specific class first (the shape of httpx's map_exceptions): an
+# exception gets the code of the first class it is an instance of, and ERR_INTERNAL if none.
+EXCEPTION_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (wire.ProtocolError, wire.ERR_MALFORMED),
+    # Session, roster, share and range checks on public values, keys and shares (SessionError and
+    # FixedPointOverflow included).
+    (sa.SecaggError, wire.ERR_MALFORMED),
+    (PolicyError, wire.ERR_POLICY),
+    (ReplayError, wire.ERR_REPLAY),
+    (LedgerError, wire.ERR_LEDGER),
+)
+
+
+def error_code(exc: BaseException) -> int:
+    """The wire code of ``exc`` by :data:`EXCEPTION_CODES`; ERR_INTERNAL for any other exception."""
+    return next((code for cls, code in EXCEPTION_CODES if isinstance(exc, cls)), wire.ERR_INTERNAL)
 
 
 @dataclass(frozen=True)
@@ -275,19 +290,10 @@ class Agent:
                 return Outcome(*unpack_reply(stored.reply))
             self.check_policy(request)
             return self.answer(request, digest)
-        except (wire.ProtocolError, sa.SecaggError) as exc:
-            # SecaggError: session, roster, share and range checks on public values, keys and shares.
-            return refusal(wire.ERR_MALFORMED, message_type, config, exc)
-        except PolicyError as exc:
-            return refusal(wire.ERR_POLICY, message_type, config, exc)
-        except ReplayError as exc:
-            return refusal(wire.ERR_REPLAY, message_type, config, exc)
-        except LedgerError as exc:
-            return refusal(wire.ERR_LEDGER, message_type, config, exc)
         except Exception as exc:
-            # Nothing left the client: the reply is released only after a successful commit,
-            # and the commit is one transaction. A repeat with the same id is answered afresh.
-            return refusal(wire.ERR_INTERNAL, message_type, config, exc)
+            # Nothing left the client: the reply is released only after a successful commit, and
+            # the commit is one transaction. A repeat with the same id is answered afresh.
+            return refusal(error_code(exc), message_type, config, exc)
 
     def status_json(self, request: wire.StatusRequest | None = None) -> str:
         """Public configuration only: no spend, and no fingerprint of the client's data.
@@ -489,7 +495,12 @@ class Agent:
             return contributions_of(local_rows(request, self.x, self.y, rng=rng, workload=self.workload))
         if isinstance(request, wire.GradientRequest):
             return gradient_contributions(
-                request, self.source, unit=self.config.unit, workload=self.workload, device=self.config.device
+                request,
+                self.source,
+                unit=self.config.unit,
+                workload=self.workload,
+                device=self.config.device,
+                activation_budget=self.config.policy.max_activation_mb << 20,
             )
         return contributions_of(indicator_rows(request, self.source, unit=self.config.unit, workload=self.workload))
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from client_agent.agent import Agent
 from client_agent.config import parse_agent_config
+from protocol.validate import integer
 
 FileMark = tuple[int, int, int, int, int] | None
 
@@ -70,9 +71,7 @@ class AgentCache:
     """Agents kept open between requests; see the module docstring for when one is reused."""
 
     def __init__(self, *, max_entries: int = 128) -> None:
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise ValueError(f"max_entries: expected an integer >= 1, got {max_entries!r}")
-        self.max_entries = max_entries
+        self.max_entries = integer("max_entries", max_entries, at_least=1, error=ValueError)
         self._entries: OrderedDict[tuple[object, ...], tuple[Agent, tuple[FileMark, ...], threading.Thread]] = (
             OrderedDict()
         )

@@ -17,18 +17,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.errors import FedfilterError
 from protocol.filters import FILTER_KINDS, GaussianFilter
 from protocol.messages import MESSAGE_TYPES, TRUST_MODES, UNITS
 from protocol.realisation import RealisationFilter
 from protocol.releases import tree_levels
-from protocol.validate import PrivacyParameterError, open_unit, positive, positive_int
+from protocol.validate import PrivacyParameterError, integer, open_unit, positive, positive_int
 from protocol.workload import BUILTIN_REF
 
 AGENT_FILTERS: tuple[str, ...] = (*FILTER_KINDS, "realisation")
 DEFAULT_MIN_NOISE_STD = 1e-6
 
 
-class AgentConfigError(ValueError):
+class PolicyError(FedfilterError, ValueError):
+    """A request the client's policy does not allow (nothing is spent)."""
+
+
+class AgentConfigError(FedfilterError, ValueError):
     """The agent's configuration is missing a key or has a bad value."""
 
 
@@ -59,6 +64,10 @@ class Policy:
     # Local training (client units): the most local SGD steps one request may ask for (0: none). A
     # rate limit on the client's compute, not a budget: the charge per request does not grow with it.
     max_local_steps: int = 100
+    # Record units: the most memory (MiB) one chunk's activations, backprops and captured copies may
+    # take. The coordinator chooses the model and its arguments; the agent sizes its chunks to this
+    # budget (measured on the meta device) and refuses a model whose single record exceeds it.
+    max_activation_mb: int = 2048
 
     def __post_init__(self) -> None:
         # A NaN limit would compare False with everything and silently switch the limit off.
@@ -79,6 +88,7 @@ class Policy:
             ("policy-max-model-params", self.max_model_params),
             ("policy-max-rounds-per-run", self.max_rounds_per_run),
             ("policy-max-requests-per-day", self.max_requests_per_day),
+            ("policy-max-activation-mb", self.max_activation_mb),
         ):
             if count < 1:
                 raise AgentConfigError(f"{name}: expected an integer >= 1, got {count!r}")
@@ -100,6 +110,7 @@ class Policy:
             "min_secagg_clients": self.min_secagg_clients,
             "min_secagg_scale_bits": self.min_secagg_scale_bits,
             "max_local_steps": self.max_local_steps,
+            "max_activation_mb": self.max_activation_mb,
         }
 
 
@@ -290,6 +301,7 @@ _KEYS = {
     "policy-secagg-min-clients",
     "policy-secagg-min-scale-bits",
     "policy-max-local-steps",
+    "policy-max-activation-mb",
     "noise-seed",
     "agent-socket",
     "agent-socket-mode",
@@ -369,6 +381,7 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         min_secagg_clients=_get(raw, "policy-secagg-min-clients", int, default.min_secagg_clients),
         min_secagg_scale_bits=_get(raw, "policy-secagg-min-scale-bits", int, default.min_secagg_scale_bits),
         max_local_steps=_get(raw, "policy-max-local-steps", int, default.max_local_steps),
+        max_activation_mb=_get(raw, "policy-max-activation-mb", int, default.max_activation_mb),
     )
     if not 1 <= policy.min_secagg_scale_bits <= 52:
         raise AgentConfigError(
@@ -394,8 +407,8 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
             "noise-seed: seeded noise is for simulations and tests only; a deployed agent draws its noise "
             "from the operating system (remove the key)"
         )
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise AgentConfigError(f"agent config: 'noise-seed' must be an integer, got {seed!r}")
+    if seed is not None:
+        integer("noise-seed", seed, at_least=0, error=AgentConfigError)
     return AgentConfig(
         ledger_path=Path(_get(raw, "ledger-path", str)),
         data_path=Path(_get(raw, "data-path", str)),

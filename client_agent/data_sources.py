@@ -152,16 +152,32 @@ class IdxSource:
     """MNIST-format IDX images and labels (``*-images-idx3-ubyte[.gz]`` and ``*-labels-idx1-ubyte[.gz]``).
 
     Raw files are memory-mapped; gzip files are streamed batch by batch (decompressed again on each
-    pass, never whole). ``x`` is the images as stored (uint8 0..255); ``y`` the labels.
+    pass, never whole). ``x`` is the images as stored (uint8 0..255), or with ``normalise=(mean,
+    std)`` float32 ``(b, 1, rows, cols)`` images ``(x / 255 - mean) / std`` (torchvision's
+    ``ToTensor`` then ``Normalize``); ``y`` the labels. A file shorter than its header says is
+    refused when the source is opened, not part-way through a request.
     """
 
-    def __init__(self, images: os.PathLike[str] | str, labels: os.PathLike[str] | str | None = None) -> None:
+    def __init__(
+        self,
+        images: os.PathLike[str] | str,
+        labels: os.PathLike[str] | str | None = None,
+        *,
+        normalise: tuple[float, float] | None = None,
+    ) -> None:
         self.images = Path(images)
         if labels is None:
             if "images-idx3" not in self.images.name:
                 raise ValueError(f"data {images}: expected an IDX images file named '*images-idx3*', got {images}")
             labels = self.images.with_name(self.images.name.replace("images-idx3", "labels-idx1"))
         self.labels = Path(labels)
+        if normalise is not None:
+            mean, std = (float(v) for v in normalise)
+            if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
+                raise ValueError(f"normalise: expected (mean, std) finite with std > 0, got {normalise!r}")
+            self.normalise: tuple[float, float] | None = (mean, std)
+        else:
+            self.normalise = None
         self._x_head = self._header(self.images)
         self._y_head = self._header(self.labels)
         n_x, n_y = self._x_head[1][0], self._y_head[1][0]
@@ -169,6 +185,24 @@ class IdxSource:
             raise ValueError(f"data {images}: expected as many labels as records (> 0), got {n_x} and {n_y}")
         if len(self._y_head[1]) != 1:
             raise ValueError(f"data {labels}: expected a 1-d IDX label file, got shape {self._y_head[1]}")
+        if self.normalise is not None and len(self._x_head[1]) != 3:
+            raise ValueError(f"data {images}: normalise expects (n, rows, cols) images, got shape {self._x_head[1]}")
+        for path, head in ((self.images, self._x_head), (self.labels, self._y_head)):
+            self._check_length(path, head)
+
+    def _check_length(self, path: Path, head: tuple[np.dtype[Any], tuple[int, ...], int]) -> None:
+        """The file holds exactly the bytes its header declares (a gzip file is read through once)."""
+        dtype, shape, offset = head
+        want = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if path.suffix != ".gz":
+            got = path.stat().st_size
+        else:
+            got = 0
+            with gzip.open(path, "rb") as handle:
+                while block := handle.read(1 << 20):
+                    got += len(block)
+        if got != want:
+            raise ValueError(f"data {path}: expected {want} bytes for shape {shape} (IDX header), found {got}")
 
     @staticmethod
     def _open(path: Path) -> Any:
@@ -206,9 +240,13 @@ class IdxSource:
 
     def batches(self, size: int) -> Iterator[tuple[NDArray[Any], NDArray[Any]]]:
         _check_size(size)
-        yield from zip(
+        for x, y in zip(
             self._stream(self.images, self._x_head, size), self._stream(self.labels, self._y_head, size), strict=True
-        )
+        ):
+            if self.normalise is not None:
+                mean, std = self.normalise
+                x = ((x.astype(np.float32) / np.float32(255.0) - np.float32(mean)) / np.float32(std))[:, None]
+            yield x, y
 
     def fingerprint(self) -> str:
         return _hash_files(self.images, self.labels)
@@ -280,13 +318,16 @@ class TorchDatasetSource:
         return h.hexdigest()
 
 
-def open_source(path: os.PathLike[str] | str) -> ArrayBatches | IdxSource:
-    """The source a path names: a folder with ``x.npy``/``y.npy``, an IDX images file, or else an ``.npz``."""
+def open_source(
+    path: os.PathLike[str] | str, *, normalise: tuple[float, float] | None = None
+) -> ArrayBatches | IdxSource:
+    """The source a path names: a folder with ``x.npy``/``y.npy``, an IDX images file (``normalise``: see
+    :class:`IdxSource`), or else an ``.npz``."""
     p = Path(path)
     if p.is_dir():
         return NpyPairSource(p)
     if "idx3-ubyte" in p.name:
-        return IdxSource(p)
+        return IdxSource(p, normalise=normalise)
     return NpzSource(p)
 
 

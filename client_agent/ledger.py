@@ -41,6 +41,8 @@ from typing import Any, Final, Self
 
 import numpy as np
 
+from protocol.errors import FedfilterError
+
 SCHEMA_VERSION: Final = 1
 """Version of the ledger's table layout; any change to it is privacy-affecting (CHANGELOG)."""
 
@@ -75,7 +77,7 @@ _SCHEMA: Final = (
 Arrays = dict[str, np.ndarray]
 
 
-class LedgerError(RuntimeError):
+class LedgerError(FedfilterError, RuntimeError):
     """A ledger cannot be used as asked; the message names what was expected and what was found."""
 
 

@@ -29,6 +29,7 @@ from torch.func import functional_call
 
 from client_agent.gradients import LossFn, _check_losses
 from protocol import messages as wire
+from protocol.validate import integer
 
 if TYPE_CHECKING:  # pragma: no cover
     from protocol.workload import Workload
@@ -86,10 +87,8 @@ def local_update(
     ``model``'s own parameters, buffers and ``.grad`` are left untouched: the steps run on copies.
     A step that overflows leaves a non-finite Delta, which the release treats as the null element.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps: expected an integer >= 0, got {steps!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size: expected an integer >= 1, got {batch_size!r}")
+    integer("steps", steps, at_least=0, error=ValueError)
+    integer("batch_size", batch_size, at_least=1, error=ValueError)
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr <= 0:
         raise ValueError(f"lr: expected a finite number > 0, got {lr!r}")
     xt, yt, weights = null_as_zero(model, x, y, valid=valid)

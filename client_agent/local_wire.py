@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from protocol.errors import FedfilterError
+
 SERVICE = "fedfilter.Agent"
 METHOD = f"/{SERVICE}/Handle"
 HEADER = "__header__"
@@ -33,7 +35,7 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class FrameError(ValueError):
+class FrameError(FedfilterError, ValueError):
     """A frame that does not decode (wrong archive, header or array)."""
 
 

@@ -50,6 +50,7 @@ from numpy.typing import NDArray
 from client_agent.ledger import Ledger, StoredRequest
 from protocol import messages as wire
 from protocol import secagg as sa
+from protocol.errors import FedfilterError
 
 KEYS_KIND = "secagg-keys"
 SHARES_KIND = "secagg-shares"
@@ -394,7 +395,7 @@ def prepare_masked(
     )
 
 
-class DataRangeInvariantError(RuntimeError):
+class DataRangeInvariantError(FedfilterError, RuntimeError):
     """The clipped data left the range its clip guarantees: a bug; reported with fixed text, nothing released."""
 
 

@@ -47,12 +47,13 @@ from client_agent import local_wire
 from client_agent.agent import Agent, Outcome, refusal
 from client_agent.config import AgentConfig, AgentConfigError, parse_agent_config
 from protocol import messages as wire
+from protocol.errors import FedfilterError
 
 LOG = logging.getLogger("fedfilter.agent.service")
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes on Linux, the terminating NUL included
 
 
-class ServiceError(OSError):
+class ServiceError(FedfilterError, OSError):
     """The service cannot start: its socket or ledger is taken, or its configuration is incomplete."""
 
 

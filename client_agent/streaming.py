@@ -1,62 +1,68 @@
 """Per-record gradient contributions, streamed chunk by chunk: memory bounded by a chunk, never by n x d.
 
-One fused pass over the records (the book-keeping method of Bu et al. 2022, "Differentially
-Private Optimization on Large Model at Small Cost"; ghost norms: Goodfellow 2015, Lee & Kifer
-2021, Li et al. 2022; Opacus ``utils/fast_gradient_clipping_utils.py`` and the ``grad_sample``
-norm samplers). Per chunk, :func:`fused_clipped_sum`:
+One fused pass over the records, on the activations and backprops of the model's layers (as in
+the book-keeping method of Bu et al. 2022, "Differentially Private Optimization on Large Model at
+Small Cost", and Opacus's ``grad_sample`` layers and fast gradient clipping). Per chunk,
+:func:`fused_clipped_sum`:
 
 1. one forward, capturing the input ``a`` of every leaf module that owns parameters (forward
    hooks), and one backward with respect to those modules' outputs (their backprops ``g``; no
    parameter gradient is formed);
-2. each record's gradient L2 norm from the captured (a, g): ``nn.Linear`` on (b, in):
-   ||g a^T||^2 = ||a||^2 ||g||^2; on sequences (b, T, in): sum((a a^T) * (g g^T)) (T x T Gram,
-   float64) or the explicit (b, out, in) gradient, whichever is smaller; ``nn.Conv1d``/
-   ``nn.Conv2d`` (groups 1, zero padding): the Gram of the unfolded input (float64), or the
-   explicit float32 gradient of each record as a batched matmul, in cache-sized blocks of records;
-   ``nn.Embedding``: the Gram over positions with equal indices, or the explicit scatter; any
-   other leaf (``nn.LayerNorm``, ``nn.GroupNorm``, custom): ``torch.func`` vmap over the vjp of
-   that one module at its captured input and backprop. Squared norms are summed in float64;
-3. the chunk's weights w_i from the caller (``weights(start, norms)``: Agent.release's clip scale
-   x admitted, each record's from its own norm and its state before the request);
-4. sum_i w_i g_i from the same (a, g), with no second forward or backward (:func:`_layer_sum`):
-   Linear (w g)^T a, convolutions their weight-gradient kernel with w g as output gradient,
-   Embedding an index_add, other leaves one vjp of that module alone with cotangent w g;
-   accumulated in float64 in the flat layout of :func:`protocol.models.flatten_parameters`.
+2. ``nn.Linear`` on (b, in): each record's gradient is the outer product g a^T, its norm
+   ||a|| ||g|| (float64), and its weighted sum over records (w g)^T a is formed in float64 at the
+   end of the chunk (each entry a sum over records of one product each: no cancellation inside
+   a record is possible);
+3. every other layer, per block of records: each record's own gradient of that layer, the
+   *rows* (:class:`_Rows`): ``nn.Linear`` on sequences one bmm g^T a; ``nn.Conv1d``/``nn.Conv2d``
+   (groups 1, zero padding) the backprop times the unfolded input, in cache-sized blocks;
+   ``nn.Embedding`` each token's summed backprop at its first position; any other leaf
+   (``nn.LayerNorm``, ``nn.GroupNorm``, custom) ``torch.func`` vmap over the vjp of that one
+   module. The block's norms (float64, over the rows and the outer products), its weights w_i
+   from the caller (``weights(start, norms)``: Agent.release's clip scale x admitted, each record's
+   from its own norm and its state before the request), then sum_i w_i rows_i in float64.
 
-A model the hooks cannot see completely falls back to vmap(grad) of the whole model per
-sub-batch: the per-record gradients formed for the norms are weighted and summed.
-:func:`record_norms` (norms only) and :func:`weighted_gradient_sum` (a weighted backward pass)
-remain as the two-pass path: :class:`StreamedGradients`' ``norms``/``scale``/``weighted_sum``, and
-the reference the fused pass is tested against.
+Each record's norm is computed from exactly the values its weighted contribution is summed from.
+(Ghost norms, the Gram of a and g, are not used: a review found that a record whose per-position
+terms cancel gets a float64 Gram norm that disagrees with a float32 book-keeping sum by 10^4x.)
+
+A model the hooks cannot see completely falls back to vmap(grad) of the whole model per sub-batch:
+the per-record gradients formed for the norms are weighted and summed. Which method runs is
+decided once per request on a data-independent batch. :func:`record_norms` is the fused pass with
+every weight 0; :func:`weighted_gradient_sum` (a weighted backward pass) is the two-pass path's
+second pass, the reference the fused pass is tested against.
 
 Privacy notes (privacy.md §1, §2, §8):
 
 - The null element: a record whose features are not finite, or that the workload's ``valid``
   rule rejects (e.g. a label the model cannot take), gets zero features, target 0 and weight 0
   in the loss, so its norm is 0 and its contribution exactly zero. In the sum, a record whose
-  weight is 0, or whose norm is not finite or is 0, enters as exact zeros in both ``a`` and ``g``
-  (a torch.where on every record; 0 * inf would be NaN), whatever weight the caller gave it, so
-  every record that contributes anything was charged for it. The null element's own gradient is
-  checked to be finite once per request (a data-independent check); a sum that is still not
-  finite raises :class:`NonFiniteSumError` before anything is charged.
-- Float error: a record's float64 norm and the norm of what the float32 sum adds for it differ
-  by rounding (both come from the same float32 (a, g)). The engine declares a relative bound
-  :data:`NORM_REL_ERROR`; the release clips to bound / (1 + E) and charges norm * scale * (1 + E)
-  >= the clipped contribution's norm (tests/unit/test_streaming.py shows observed errors below
-  1e-7, E / 1000). E is an empirical bound, not a proof: float32 cancellation inside one record's
-  gradient could in principle exceed it (as it could in the float32 sum itself).
+  weight is 0, or whose norm is not finite or is 0, enters as exact zeros (a torch.where on its
+  rows, or on its a and g: 0 * inf would be NaN), whatever weight the caller gave it, so every
+  record that contributes anything was charged for it. Nothing is evaluated at a stopped record's
+  zeroed input. The null element's own gradient is checked to be finite once per request (a
+  data-independent check); a sum that is still not finite raises :class:`NonFiniteSumError`
+  before anything is charged.
+- Float error: the norm is float64 over the released float32 values, the sum float64 products and
+  additions of them, so a record's norm and the norm of what the sum adds for it differ by a few
+  float64 roundings per entry (relative error below d x 2^-52), far inside the declared
+  :data:`NORM_REL_ERROR`; the release clips to bound / (1 + E) and charges norm * scale * (1 + E).
+  The float64 accumulation across records adds at most gamma_n x sum_i (charged norm_i) over n
+  records (gamma_n = n 2^-53 / (1 - n 2^-53): below 10^-11 of the charged total at n = 60,000),
+  not attributed to any record. On CUDA, TF32 is off for the pass.
 - The work does not depend on who stopped: every record goes through the same operations; a
   stopped record has weight 0, never a skipped branch.
 - Records must not interact: BatchNorm (and Dropout in training mode) are rejected. A custom leaf
-  module that reads another module's parameters is not seen by the hooks: the first chunk's hook
-  gradients are checked against autograd's (relative 1e-3), and a mismatch switches the engine to
-  the whole-model fallback.
+  module that reads another module's parameters is not seen by the hooks: on the data-independent
+  batch the hooks' gradients are checked against autograd's (relative 1e-3), and a mismatch
+  selects the whole-model fallback for the request.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -67,23 +73,23 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 
 from client_agent.gradients import LossFn, check_no_batch_norm, example_gradients_fn
+from protocol.errors import FedfilterError
 
-# Relative bound on |a record's norm - ||what the sum adds for it||| / ||what the sum adds||. The
-# norm is float64 over the float32 activations and backprops (or over the explicit float32
-# gradient); the sum is float32 kernels over the same (a, g). Both are within a few float32 ulps
-# per operation of the exact gradient at the float32 activations (relative ~1e-7 in
-# tests/unit/test_streaming.py at every tested layer), so 1e-4 leaves a margin of about 100.
+# Declared relative bound on |a record's norm - ||what the sum adds for it||| / ||what the sum adds||.
+# Both are float64 over the same float32 values (module docstring), so the true difference is a few
+# float64 roundings per entry, below d x 2^-52 (2 x 10^-7 at d = 10^9): 1e-4 is a wide margin.
 NORM_REL_ERROR = 1e-4
 # Floats per sub-batch for the explicit per-record paths (torch.func leaves, the whole-model
 # fallback): 2^25 floats is 128 MiB in float32, 256 MiB in float64.
 _EXPLICIT_FLOATS = 1 << 25
+_SUM_RECORDS = 64  # records per float32 partial sum of rows (relative error at most gamma_64, about 3.8e-6)
 _BLOCK_ROWS = 256  # rows per block for materialised rows: float64 temporaries of a few MB
 # Floats per block of records for the convolutions' norms (patches and per-record gradients of a
 # block): 2^19 floats is 2 MiB in float32, about what stays in a core's cache.
 _BLOCK_FLOATS = 1 << 19
 
 
-class NonFiniteSumError(ArithmeticError):
+class NonFiniteSumError(FedfilterError, ArithmeticError):
     """The clipped sum is not finite: nothing may be released or charged."""
 
 
@@ -143,14 +149,16 @@ def _chunk_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x, y, weight) on ``device``: records not ``valid`` (or not in ``keep``) become the null element.
 
-    Validity is decided on the source's side (``valid`` sees the chunk where the source gave it),
+    Validity is decided on the source's side (``valid`` sees the chunk as the source gave it, its
+    own dtype and device; finiteness is also checked after the conversion to float32 / int64),
     then the chunk moves to ``device``. The same torch.where on every record: zero features, zero
     target, weight 0.
     """
-    xt, yt = _as_tensor(x), _as_tensor(y)
+    x0, y0 = batch_tensor(x), batch_tensor(y)
+    xt, yt = _as_tensor(x0), _as_tensor(y0)
     usable = finite_records(xt, yt)
-    if valid is not None:
-        usable &= valid(xt, yt).to(usable.device)
+    if valid is not None:  # on the source's own values: a float64 label 2.0000001 is not rounded to class 2 first
+        usable &= valid(x0, y0).to(usable.device)
     if keep is not None:
         usable &= keep.to(usable.device)
     xt, yt, usable = xt.to(device), yt.to(device), usable.to(device)
@@ -195,15 +203,73 @@ def check_model(model: nn.Module) -> None:
         )
 
 
-# -- norms: per-layer squared norms from activations and backprops --------------------------------
+# -- per-record rows: each layer's per-record gradient, exactly the values that are released ------
 
 
-def _gram_or_explicit(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """sum_i ||sum_t g_it a_it^T||^2 per record for a (b, T, p), g (b, T, q), float64 (b,)."""
-    t, p, q = a.shape[1], a.shape[2], g.shape[2]
-    if t * t <= p * q:
-        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
-    return torch.bmm(g.transpose(1, 2), a).square().sum(dim=(1, 2))
+@dataclass
+class _Rows:
+    """A block of records' gradients of one module's own parameters: their norms are taken from these
+    values, and their weighted sum is what is released, so the two cannot disagree.
+
+    ``tensors``: local parameter name -> (B, ...) rows; ``to_param``: maps a summed row to the
+    parameter's layout (a convolution's rows are in patch order); ``index`` (embeddings): the
+    token id of each row position, (B, T), the rows being (B, T, dim) with each token's gradient
+    at its first position in the record and zeros at its repeats.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    to_param: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    index: torch.Tensor | None = None
+
+    def sq(self, b: int, device: torch.device) -> torch.Tensor:
+        """Each record's squared norm over these rows, float64 (B,), by :func:`_squared_norms`."""
+        out = torch.zeros(b, dtype=torch.float64, device=device)
+        for t in self.tensors.values():
+            out += _squared_norms(t.reshape(b, -1))
+        return out
+
+    def add(self, wk: torch.Tensor, keep: torch.Tensor, view: Callable[[str], torch.Tensor]) -> None:
+        """view(name) += sum_i wk_i rows_i; a record outside ``keep`` enters as exact zeros.
+
+        The rows are zeroed in place outside ``keep`` (the same masked fill on every record: a
+        non-finite row times 0 would be NaN), multiplied by float32 weights and summed in float32
+        within runs of :data:`_SUM_RECORDS` records, the runs accumulated in float64.
+        """
+        w32 = wk.to(torch.float32)
+        for name, t in self.tensors.items():
+            t.masked_fill_(~keep.reshape(-1, *([1] * (t.ndim - 1))), 0.0)
+            if self.index is not None:
+                weighted = (t * w32.reshape(-1, *([1] * (t.ndim - 1)))).to(torch.float64)
+                view(name).index_add_(0, self.index.reshape(-1), weighted.reshape(-1, t.shape[-1]))
+                continue
+            flat = t.reshape(t.shape[0], -1)
+            summed = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
+            for i in range(0, flat.shape[0], _SUM_RECORDS):
+                summed += torch.mv(flat[i : i + _SUM_RECORDS].t(), w32[i : i + _SUM_RECORDS])
+            summed_shaped = summed.view(t.shape[1:])
+            view(name).add_(self.to_param[name](summed_shaped) if name in self.to_param else summed_shaped)
+
+
+def _squared_norms(flat: torch.Tensor) -> torch.Tensor:
+    """Each row's squared L2 norm, float64 (B,), with a relative error below 2^-17.
+
+    Float32 sums of squares over runs of at most 64 entries (relative error at most gamma_65 =
+    65 x 2^-24 / (1 - 65 x 2^-24), about 3.9e-6: every term is >= 0, so no cancellation), the runs
+    accumulated in float64: as fast as a float32 norm, and rigorously inside NORM_REL_ERROR (a
+    float32 norm over the whole row has the bound gamma_d, above 1e-4 from d = 1,700). A row too
+    short or oddly sized for runs of 8 or more is summed in float64 directly. (Entries below 2^-63
+    in magnitude may underflow when squared in float32: an absolute error below sqrt(d) 2^-74 in
+    the norm, far below any noise.)
+    """
+    b, d = flat.shape
+    run = 64
+    while run >= 8 and d % run:
+        run //= 2
+    if run < 8:
+        out: torch.Tensor = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
+        return out
+    runs: torch.Tensor = torch.linalg.vector_norm(flat.reshape(b, d // run, run), dim=2)
+    return runs.to(torch.float64).square().sum(dim=1)
 
 
 Pair = tuple[int, int]
@@ -222,20 +288,40 @@ def _conv_geometry(
     return a, g, k, d, pad2, s
 
 
-def _linear_sq(m: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    b = a.shape[0]
-    if a.ndim == 2:  # ||g a^T||^2 = ||a||^2 ||g||^2, norms accumulated in float64 in one fused pass each
-        a_sq = torch.linalg.vector_norm(a, dim=1, dtype=torch.float64).square()
-        g_sq = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square()
-        sq: torch.Tensor = a_sq * g_sq
-        if m.bias is not None:
-            sq = sq + g_sq
-        return sq
-    a64, g64 = a.reshape(b, -1, a.shape[-1]).double(), g.reshape(b, -1, g.shape[-1]).double()
-    out = _gram_or_explicit(a64, g64)
+def _is_outer(m: nn.Module, a: torch.Tensor) -> bool:
+    """``nn.Linear`` on (b, in): each record's gradient g a^T is an outer product, its norm ||a|| ||g||."""
+    return isinstance(m, nn.Linear) and a.is_floating_point() and a.ndim == 2
+
+
+def _outer_sq(m: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """||g a^T||^2 = ||a||^2 ||g||^2 (+ ||g||^2 for the bias), float64 (b,): no sum over positions."""
+    a_sq = torch.linalg.vector_norm(a, dim=1, dtype=torch.float64).square()
+    g_sq = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square()
+    sq: torch.Tensor = a_sq * g_sq
     if m.bias is not None:
-        out = out + g64.sum(dim=1).square().sum(dim=1)
+        sq = sq + g_sq
+    return sq
+
+
+def _outer_sum(
+    m: nn.Linear, a: torch.Tensor, g: torch.Tensor, wk: torch.Tensor, keep: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """sum_i wk_i g_i a_i^T (and sum_i wk_i g_i), float64: each entry a sum over records of one product each."""
+    gw = _rows_where(keep, g).to(torch.float64) * wk.unsqueeze(1)
+    out = {"weight": torch.mm(gw.t(), _rows_where(keep, a).to(torch.float64))}
+    if m.bias is not None:
+        out["bias"] = gw.sum(dim=0)
     return out
+
+
+def _linear_rows(m: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _Rows:
+    """``nn.Linear`` on sequences (b, ..., in): each record's sum over positions of g_t a_t^T, one bmm."""
+    b = a.shape[0]
+    a3, g3 = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
+    rows = {"weight": torch.bmm(g3.transpose(1, 2), a3)}
+    if m.bias is not None:
+        rows["bias"] = g3.sum(dim=1)
+    return _Rows(rows)
 
 
 def _conv_supported(m: nn.Module, a: torch.Tensor) -> bool:
@@ -251,157 +337,107 @@ def _patches(
     d: tuple[int, int],
     p: tuple[int, int],
     s: tuple[int, int],
-    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The unfolded input (b, L, k C) in ``dtype``: each patch's features in (kernel row, column, channel) order.
+    """The unfolded input (b, L, k C): each patch's features in (kernel row, column, channel) order.
 
-    The weight's per-record gradient is the linear layer's on these patches, with its input
-    features permuted; only norms are computed from them, which do not depend on the order. The
-    input is copied once channels-last, then one strided copy gathers the patches with each
+    The input is copied once channels-last, then one strided copy gathers the patches with each
     channel run contiguous (faster than the (C, k) order of ``F.unfold``).
     """
     padded = nn.functional.pad(a, (p[1], p[1], p[0], p[0]))
     b, c, h, w = padded.shape
     oh, ow = (h - d[0] * (k[0] - 1) - 1) // s[0] + 1, (w - d[1] * (k[1] - 1) - 1) // s[1] + 1
-    last = torch.empty((b, h, w, c), dtype=dtype, device=a.device)
+    last = torch.empty((b, h, w, c), dtype=a.dtype, device=a.device)
     last.copy_(padded.permute(0, 2, 3, 1))
     sb, sh, sw, sc = last.stride()
     view = last.as_strided((b, oh, ow, k[0], k[1], c), (sb, sh * s[0], sw * s[1], sh * d[0], sw * d[1], sc))
     return view.reshape(b, oh * ow, c * k[0] * k[1])
 
 
-def _conv_sq(m: nn.Conv1d | nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-record squared norm of a convolution's gradient: Gram over output positions, or explicit.
+def _conv_rows(m: nn.Conv1d | nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> _Rows:
+    """Each record's convolution weight gradient: its backprop (C_out, L) times its unfolded input (L, C k).
 
-    The weight's per-record gradient is the linear layer's on the unfolded input (L positions of
-    C k inputs). When the float64 L x L Gram (2 L^2 (C k + C_out) work, float64 counted twice) is
-    cheaper than the explicit float32 (C_out, C k) gradient (L C_out C k), the Gram; else the
-    explicit gradient, one batched matmul per block of records, its squares summed in float64.
-    Records are taken in blocks of about :data:`_BLOCK_FLOATS` floats, so that the patches and
-    gradients of a block stay in cache (an unblocked chunk of them is memory-bound, several times
-    slower).
+    One batched matmul per block of about :data:`_BLOCK_FLOATS` floats of patches and rows, so that
+    a block stays in cache (an unblocked chunk is memory-bound, several times slower). The rows
+    are in patch order; ``to_param`` permutes a summed row to the weight's (C_out, C, *kernel).
     """
     b = a.shape[0]
     a2, g2, k, d, p, s = _conv_geometry(m, a, g)
     c_in, c_out = a2.shape[1], g2.shape[1]
     positions, inputs = g2.shape[2] * g2.shape[3], c_in * k[0] * k[1]
     gb = g2.reshape(b, c_out, positions)
-    out = torch.empty(b, dtype=torch.float64, device=a.device)
-    if 2 * positions * (inputs + c_out) <= c_out * inputs:
-        step = max(1, _BLOCK_FLOATS // (2 * positions * (inputs + c_out + positions)))
-        for i in range(0, b, step):
-            u = _patches(a2[i : i + step], k, d, p, s, torch.float64)
-            out[i : i + step] = _gram_or_explicit(u, gb[i : i + step].transpose(1, 2).double())
-    else:
-        step = max(1, _BLOCK_FLOATS // (inputs * (positions + c_out)))
-        for i in range(0, b, step):
-            grads = torch.bmm(gb[i : i + step], _patches(a2[i : i + step], k, d, p, s, a.dtype))
-            out[i : i + step] = torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=torch.float64).square()
+    weight = torch.empty(b, c_out, inputs, dtype=a.dtype, device=a.device)
+    step = max(1, _BLOCK_FLOATS // (inputs * (positions + c_out)))
+    for i in range(0, b, step):
+        torch.bmm(gb[i : i + step], _patches(a2[i : i + step], k, d, p, s), out=weight[i : i + step])
+    shape = m.weight.shape
+
+    def to_param(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(c_out, k[0], k[1], c_in).permute(0, 3, 1, 2).reshape(shape)
+
+    rows = {"weight": weight}
     if m.bias is not None:
-        out = out + g2.double().sum(dim=(2, 3)).square().sum(dim=1)
-    return out
+        rows["bias"] = gb.sum(dim=2)
+    return _Rows(rows, {"weight": to_param})
 
 
 def _embedding_supported(m: nn.Module) -> bool:
     return isinstance(m, nn.Embedding) and m.max_norm is None and not m.scale_grad_by_freq
 
 
-def _embedding_sq(m: nn.Embedding, idx: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """sum over positions s, t with equal indices of g_s . g_t (the padding index gets no gradient)."""
+def _embedding_rows(m: nn.Embedding, idx: torch.Tensor, g: torch.Tensor) -> _Rows:
+    """Each record's embedding gradient as (T, dim) rows: at each token's first position, the sum of its
+    positions' backprops; zeros at its repeats (the padding index gets no gradient)."""
     b = idx.shape[0]
     idx2 = idx.reshape(b, -1)
-    g64 = g.reshape(b, idx2.shape[1], -1).double()
+    t = idx2.shape[1]
+    g3 = g.reshape(b, t, -1)
     if m.padding_idx is not None:
-        g64 = g64 * (idx2 != m.padding_idx).unsqueeze(-1)
-    t, v, dim = idx2.shape[1], m.num_embeddings, g64.shape[2]
-    if t * t <= v * dim:
-        same = (idx2.unsqueeze(2) == idx2.unsqueeze(1)).to(torch.float64)
-        return (same * torch.bmm(g64, g64.transpose(1, 2))).sum(dim=(1, 2))
-    explicit = torch.zeros(b, v, dim, dtype=torch.float64, device=g.device)
-    explicit.scatter_add_(1, idx2.unsqueeze(-1).expand(-1, -1, dim), g64)
-    return explicit.square().sum(dim=(1, 2))
+        g3 = torch.where((idx2 != m.padding_idx).unsqueeze(-1), g3, torch.zeros((), dtype=g3.dtype, device=g3.device))
+    earlier = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril(-1)  # [t, s]: s < t
+    rows = torch.empty_like(g3)
+    step = max(1, _EXPLICIT_FLOATS // (t * t))
+    for i in range(0, b, step):
+        same = idx2[i : i + step].unsqueeze(2) == idx2[i : i + step].unsqueeze(1)
+        first = ~(same & earlier).any(dim=2)
+        torch.bmm((same & first.unsqueeze(2)).to(g3.dtype), g3[i : i + step], out=rows[i : i + step])
+    return _Rows({"weight": rows}, index=idx2)
 
 
-def _module_sq(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-record squared norm of the gradient of ``m``'s own parameters, by torch.func (vmap over vjp)."""
+def _module_rows(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> _Rows:
+    """Any other leaf (``nn.LayerNorm``, ``nn.GroupNorm``, custom): torch.func vmap over the vjp of that one module."""
     params = {name: p.detach() for name, p in m.named_parameters(recurse=False)}
     per_record = max(1, sum(p.numel() for p in params.values()))
 
-    def one(ai: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:
+    def one(ai: torch.Tensor, gi: torch.Tensor) -> dict[str, torch.Tensor]:
         pull = vjp(lambda p: functional_call(m, p, (ai.unsqueeze(0),)), params)[1]
         (grads,) = pull(gi.unsqueeze(0))
-        return sum((gr.double().square().sum() for gr in grads.values()), torch.zeros((), dtype=torch.float64))
+        return cast(dict[str, torch.Tensor], grads)
 
     step = max(1, _EXPLICIT_FLOATS // per_record)
-    return torch.cat([vmap(one)(a[i : i + step], g[i : i + step]) for i in range(0, a.shape[0], step)])
+    parts = [vmap(one)(a[i : i + step], g[i : i + step]) for i in range(0, a.shape[0], step)]
+    return _Rows({name: torch.cat([part[name] for part in parts]) for name in params})
 
 
-def _layer_sq(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _rows_of(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> _Rows:
     if isinstance(m, nn.Linear) and a.is_floating_point():
-        return _linear_sq(m, a, g)
+        return _linear_rows(m, a, g)
     if _conv_supported(m, a):
-        return _conv_sq(m, a, g)  # type: ignore[arg-type]
+        return _conv_rows(m, a, g)  # type: ignore[arg-type]
     if _embedding_supported(m):
-        return _embedding_sq(m, a, g)  # type: ignore[arg-type]
-    return _module_sq(m, a, g)
+        return _embedding_rows(m, a, g)  # type: ignore[arg-type]
+    return _module_rows(m, a, g)
 
 
-# -- the fused sum: each layer's weighted parameter gradient from the same (a, g) -------------------
+def _row_floats(m: nn.Module, a: torch.Tensor) -> int:
+    """Floats of one record's rows of ``m``: its own parameters, or (T, dim) for an embedding."""
+    if _embedding_supported(m):
+        return max(1, a[0].numel()) * cast(nn.Embedding, m).embedding_dim
+    return sum(p.numel() for p in m.parameters(recurse=False))
 
 
 def _rows_where(keep: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t`` for the records in ``keep``, exact zeros for the others: the same torch.where on every record."""
     return torch.where(keep.reshape(-1, *([1] * (t.ndim - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
-
-
-def _layer_sum(
-    m: nn.Module, a: torch.Tensor, g: torch.Tensor, w: torch.Tensor, keep: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """sum_i w_i (record i's gradient of ``m``'s own parameters), from the input ``a`` and backprop ``g``.
-
-    No forward or backward of the model: ``nn.Linear`` (w g)^T a over records and positions;
-    ``nn.Conv1d``/``nn.Conv2d`` the convolution's weight-gradient kernel (``convolution_backward``
-    with the weighted backprop as output gradient, no input gradient); ``nn.Embedding`` an
-    index_add of the weighted backprop rows; any other leaf one vjp of that module alone at ``a``
-    with cotangent w g (a gradient is linear in its cotangent: the batch vjp is the weighted sum of
-    the per-record ones). A record outside ``keep`` enters as zeros in both ``a`` and ``g``
-    (0 * inf would be NaN), by the same torch.where on every record.
-    """
-    gw = _rows_where(keep, g * w.reshape(-1, *([1] * (g.ndim - 1))))
-    if isinstance(m, nn.Linear) and a.is_floating_point():
-        a2, g2 = _rows_where(keep, a).reshape(-1, a.shape[-1]), gw.reshape(-1, gw.shape[-1])
-        out = {"weight": torch.mm(g2.t(), a2)}
-        if m.bias is not None:
-            out["bias"] = g2.sum(dim=0)
-        return out
-    if _conv_supported(m, a):
-        conv: nn.Conv1d | nn.Conv2d = m  # type: ignore[assignment]
-        has_bias = conv.bias is not None
-        _, weight, bias = torch.ops.aten.convolution_backward(
-            gw,
-            _rows_where(keep, a),
-            conv.weight.detach(),
-            [conv.out_channels] if has_bias else None,
-            list(conv.stride),
-            list(conv.padding),
-            list(conv.dilation),
-            False,
-            [0] * len(conv.stride),
-            conv.groups,
-            [False, True, has_bias],
-        )
-        return {"weight": weight, "bias": bias} if has_bias else {"weight": weight}
-    if _embedding_supported(m):
-        emb: nn.Embedding = m  # type: ignore[assignment]
-        idx = a.reshape(-1)
-        rows = gw.reshape(idx.numel(), -1)
-        if emb.padding_idx is not None:  # the padding index gets no gradient
-            rows = _rows_where(idx != emb.padding_idx, rows)
-        return {"weight": torch.zeros_like(emb.weight.detach()).index_add_(0, idx, rows)}
-    params = {name: p.detach() for name, p in m.named_parameters(recurse=False)}
-    pull = vjp(lambda p: functional_call(m, p, (_rows_where(keep, a),)), params)[1]
-    (grads,) = pull(gw)
-    return dict(grads)
 
 
 class _Unsupported(Exception):
@@ -461,11 +497,11 @@ def _hooked_chunk(
     w: torch.Tensor,
     *,
     check: bool,
-) -> tuple[torch.Tensor, Captured]:
-    """One chunk's per-record squared norms from hooks, and each used module's (module, a, g).
+) -> Captured:
+    """One chunk's (module, a, g) for every module with parameters that the loss reaches.
 
     One forward, one backward with respect to the modules' outputs (no parameter gradient, except
-    on a ``check`` chunk, which also validates the hooks against autograd).
+    on a ``check`` batch, which also validates the hooks against autograd).
     """
     capture.calls.clear()
     capture.problem = ""
@@ -486,16 +522,15 @@ def _hooked_chunk(
     outs = [out for _, (_, out, _, _) in used]
     wanted = outs + (list(leaves.values()) if check else [])
     grads = torch.autograd.grad(total, wanted, allow_unused=True) if wanted else ()
-    sq = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
-    captured: Captured = []
-    for (m, (a, _out, _, _)), g in zip(used, grads[: len(outs)], strict=True):
-        if g is not None:  # None: the module's output does not reach the loss, its gradient is 0
-            captured.append((m, a.detach(), g.detach()))
-            sq += _layer_sq(m, a.detach(), g.detach())
+    captured: Captured = [
+        (m, a.detach(), g.detach())
+        for (m, (a, _out, _, _)), g in zip(used, grads[: len(outs)], strict=True)
+        if g is not None  # None: the module's output does not reach the loss, its gradient is 0
+    ]
     if check:
         _check_hooks(model, used, grads[: len(outs)], dict(zip(leaves, grads[len(outs) :], strict=True)))
     capture.calls.clear()
-    return sq, captured
+    return captured
 
 
 def _check_hooks(
@@ -524,6 +559,41 @@ def _check_hooks(
             raise _Unsupported(f"parameter {name!r} gets gradient the module hooks do not see")
 
 
+def _checked_capture(
+    model: nn.Module,
+    loss_fn: LossFn,
+    leaves: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> _Capture | None:
+    """Hooks on the model's leaf modules if they see every parameter's gradient, else None (the fallback).
+
+    Decided once per request on a data-independent batch (two records of seeded standard-normal
+    features, zeros for integer features, target 0, of the chunk's shapes), never on a record:
+    which method runs, and so how long it takes, says nothing about the data.
+    """
+    try:
+        capture = _Capture(_hooked_modules(model))
+    except _Unsupported:
+        return None
+    shape = (2, *x.shape[1:])
+    if x.is_floating_point():
+        xs = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(x.device, x.dtype)
+    else:
+        xs = torch.zeros(shape, dtype=x.dtype, device=x.device)
+    ys = torch.zeros((2, *y.shape[1:]), dtype=y.dtype, device=y.device)
+    handles = [m.register_forward_hook(capture.hook, with_kwargs=True) for m in capture.modules]
+    try:
+        _hooked_chunk(model, loss_fn, capture, leaves, buffers, xs, ys, torch.ones(2, device=x.device), check=True)
+    except _Unsupported:
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    return capture
+
+
 def _per_example_rows(
     model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
 ) -> Iterator[tuple[int, dict[str, torch.Tensor], torch.Tensor]]:
@@ -539,13 +609,6 @@ def _per_example_rows(
         yield i, grads, sq
 
 
-def _fallback_chunk_sq(
-    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
-) -> torch.Tensor:
-    """Per-record squared norms by vmap(grad) of the whole model, in sub-batches of bounded memory."""
-    return torch.cat([sq for _, _, sq in _per_example_rows(model, loss_fn, x, y, w)])
-
-
 def record_norms(
     model: nn.Module,
     loss_fn: LossFn,
@@ -554,48 +617,24 @@ def record_norms(
     valid: Validity | None = None,
     chunk_size: int = 1024,
     device: str = "cpu",
-    ghost: bool = True,
+    hooks: bool = True,
 ) -> tuple[NDArray[np.float64], str]:
-    """The norms pass alone: each record's gradient L2 norm (float64, (n,)) and the method ("hooks" or "fallback").
+    """The norms alone: each record's gradient L2 norm (float64, (n,)) and the method ("hooks" or "fallback").
 
-    A null record's norm is exactly 0; a record whose gradient overflows has a non-finite norm.
+    The fused pass with every weight 0, so the norms are exactly those :func:`fused_clipped_sum`
+    computes. A null record's norm is exactly 0; a record whose gradient overflows has a non-finite norm.
     """
-    check_model(model)
-    chunk_size = _chunk_size(chunk_size)
-    dev = torch.device(device)
-    model = _on_device(model, dev)
-    n = len(source)
-    out = torch.empty(n, dtype=torch.float64)
-    leaves, buffers = _leaves(model, dev)
-    try:
-        capture: _Capture | None = _Capture(_hooked_modules(model)) if ghost else None
-    except _Unsupported:
-        capture = None
-    handles = [m.register_forward_hook(capture.hook, with_kwargs=True) for m in capture.modules] if capture else []
-    try:
-        start = 0
-        first = True
-        for xb, yb in source.batches(chunk_size):
-            x, y, w = _chunk_tensors(xb, yb, None, valid=valid, device=dev)
-            sq = None
-            if capture is not None:
-                try:
-                    sq = _hooked_chunk(model, loss_fn, capture, leaves, buffers, x, y, w, check=first)[0]
-                except _Unsupported:
-                    if not first:  # the structure of the forward changed from chunk to chunk
-                        raise
-                    capture = None
-            if sq is None:
-                sq = _fallback_chunk_sq(model, loss_fn, x, y, w)
-            out[start : start + len(sq)] = sq.detach().cpu()
-            start += len(sq)
-            first = False
-    finally:
-        for h in handles:
-            h.remove()
-    if start != n:
-        raise ValueError(f"source: expected {n} records from batches(), got {start}")
-    return out.sqrt_().numpy(), "hooks" if capture is not None else "fallback"
+    norms, _, method = fused_clipped_sum(
+        model,
+        loss_fn,
+        source,
+        lambda start, norms: np.zeros(norms.size),
+        valid=valid,
+        chunk_size=chunk_size,
+        device=device,
+        hooks=hooks,
+    )
+    return norms, method
 
 
 # -- the fused pass: norms, weights, and the weighted sum from one forward and one backward --------
@@ -604,14 +643,15 @@ def record_norms(
 WeightsFn = Callable[[int, NDArray[np.float64]], NDArray[np.floating]]
 """``weights(start, norms) -> w``: the weights of records ``start .. start + len(norms) - 1`` from their norms.
 
-Called once for every record, in order, on consecutive runs of records (a chunk, or a sub-batch of
-the fallback); each record's weight may depend only on its own norm (and on state fixed before
-the pass). ``norms`` are float64, non-finite for a record whose gradient overflows.
+Called once for every record, in order, on consecutive runs of records (a block of a chunk, or a
+sub-batch of the fallback); each record's weight may depend only on its own norm (and on state
+fixed before the pass). ``norms`` are float64, non-finite for a record whose gradient overflows.
 """
 
 
 class _Weigher:
-    """Asks ``weights`` for each run of records, checks the answer, and gives it back as float32 weights and a mask.
+    """Asks ``weights`` for each run of records, checks the answer, and gives back float64 weights
+    that are exactly 0 outside the mask, and the mask.
 
     A record's mask is ``w != 0`` and a finite, non-zero norm: a record outside it enters the sum as
     exact zeros, whatever the weight said (the same torch.where on every record).
@@ -628,9 +668,9 @@ class _Weigher:
         if w.shape != raw.shape or not bool(np.isfinite(w).all()):
             raise ValueError(f"weights: expected {raw.size} finite values, got shape {w.shape}")
         self.next = start + raw.size
-        wt = torch.from_numpy(w).to(device=self.device, dtype=torch.float32)
-        keep = (wt != 0) & torch.isfinite(norms) & (norms > 0)
-        return wt, keep.to(self.device)
+        wt = torch.from_numpy(w).to(device=self.device)
+        keep = ((wt != 0) & torch.isfinite(norms) & (norms > 0)).to(self.device)
+        return torch.where(keep, wt, torch.zeros((), dtype=wt.dtype, device=self.device)), keep
 
 
 def _fallback_chunk(
@@ -641,17 +681,66 @@ def _fallback_chunk(
     usable: torch.Tensor,
     weigh: _Weigher,
     start: int,
-    add: Callable[[str, torch.Tensor], None],
+    view: Callable[[str], torch.Tensor],
 ) -> torch.Tensor:
-    """The whole-model fallback, fused: per sub-batch, vmap(grad) rows, their norms, weights, weighted sum."""
+    """The whole-model fallback, fused: per sub-batch, vmap(grad) rows, their norms, weights, weighted sum (float64)."""
     parts = []
     for i, grads, sq in _per_example_rows(model, loss_fn, x, y, usable):
         norms = sq.sqrt()
-        w, keep = weigh(start + i, norms)
+        wk, keep = weigh(start + i, norms)
         for name, g in grads.items():
-            add(name, torch.tensordot(w, _rows_where(keep, g), dims=1))
+            view(name).add_(torch.tensordot(wk, _rows_where(keep, g).to(torch.float64), dims=1))
         parts.append(norms)
     return torch.cat(parts)
+
+
+def _hooked_sum(
+    captured: Captured, b: int, weigh: _Weigher, start: int, view: Callable[[nn.Module, str], torch.Tensor]
+) -> torch.Tensor:
+    """One chunk's norms and weighted sum from its captured (a, g): rows per block of records, then the outer products.
+
+    Per block of records: each non-``_is_outer`` module's per-record rows (:class:`_Rows`), the
+    records' norms (with the outer modules' ||a|| ||g||), their weights, and the rows' weighted
+    sum. After the blocks, the outer modules' weighted sums (w g)^T a in float64.
+    """
+    device = captured[0][1].device if captured else torch.device("cpu")
+    outer = [(m, a, g) for m, a, g in captured if _is_outer(m, a)]
+    rowed = [(m, a, g) for m, a, g in captured if not _is_outer(m, a)]
+    sq_outer = torch.zeros(b, dtype=torch.float64, device=device)
+    for m, a, g in outer:
+        sq_outer += _outer_sq(cast(nn.Linear, m), a, g)
+    step = max(1, _EXPLICIT_FLOATS // max(1, sum(_row_floats(m, a) for m, a, _ in rowed))) if rowed else max(1, b)
+    norms = torch.empty(b, dtype=torch.float64, device=device)
+    wk_all = torch.empty(b, dtype=torch.float64, device=device)
+    keep_all = torch.empty(b, dtype=torch.bool, device=device)
+    for i in range(0, b, step):
+        blocks = [(m, _rows_of(m, a[i : i + step], g[i : i + step])) for m, a, g in rowed]
+        sq = sq_outer[i : i + step].clone()
+        for _, rows in blocks:
+            sq += rows.sq(sq.shape[0], device)
+        norms[i : i + step] = sq.sqrt()
+        wk, keep = weigh(start + i, norms[i : i + step])
+        for m, rows in blocks:
+            rows.add(wk, keep, functools.partial(view, m))
+        wk_all[i : i + step], keep_all[i : i + step] = wk, keep
+    for m, a, g in outer:
+        for local, grad in _outer_sum(cast(nn.Linear, m), a, g, wk_all, keep_all).items():
+            view(m, local).add_(grad)
+    return norms
+
+
+@contextmanager
+def _full_precision(device: torch.device) -> Iterator[None]:
+    """Float32 matmuls and convolutions in full float32 on CUDA (TF32 off) for the duration of a pass."""
+    if device.type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def fused_clipped_sum(
@@ -663,18 +752,18 @@ def fused_clipped_sum(
     valid: Validity | None = None,
     chunk_size: int = 1024,
     device: str = "cpu",
-    ghost: bool = True,
+    hooks: bool = True,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], str]:
     """One pass: each record's gradient norm, and sum_i w_i g_i with the weights ``weights`` gives from the norms.
 
     Returns (norms float64 (n,), the sum float64 (d,), the method: "hooks" or "fallback"). Per
-    chunk: one forward, one backward with respect to the hooked modules' outputs, the norms from
-    the captured (a, g) as :func:`record_norms` computes them, ``weights`` for the chunk's records,
-    then each module's weighted parameter gradient from the same (a, g) (:func:`_layer_sum`); the
-    fallback forms per-record gradients by vmap(grad) per sub-batch and weights those. A record
-    with weight 0, a non-finite or a zero norm (a null record included) contributes exact zeros;
-    a sum that is still not finite (or a null element whose gradient is not) raises
-    :class:`NonFiniteSumError`. Memory is bounded by one chunk.
+    chunk: one forward, one backward with respect to the hooked modules' outputs, then
+    :func:`_hooked_sum` (each record's norm from the very values its weighted contribution is
+    summed from); the fallback (``hooks`` off, or a model the hooks cannot see, decided on a
+    data-independent batch) forms per-record gradients by vmap(grad) per sub-batch and weights
+    those. A record with weight 0, a non-finite or a zero norm (a null record included)
+    contributes exact zeros; a sum that is still not finite (or a null element whose gradient is
+    not) raises :class:`NonFiniteSumError`. Memory is bounded by one chunk.
     """
     check_model(model)
     chunk_size = _chunk_size(chunk_size)
@@ -683,62 +772,51 @@ def fused_clipped_sum(
     n = len(source)
     norms_out = torch.empty(n, dtype=torch.float64)
     leaves, buffers = _leaves(model, dev)
-    offsets: dict[str, tuple[int, int]] = {}
+    total = torch.zeros(sum(p.numel() for p in leaves.values()), dtype=torch.float64, device=dev)
+    views: dict[str, torch.Tensor] = {}
+    offset = 0
     for name, p in leaves.items():
-        offsets[name] = (sum(size for _, size in offsets.values()), p.numel())
-    total = torch.zeros(sum(size for _, size in offsets.values()), dtype=torch.float64, device=dev)
-
-    def add(name: str, grad: torch.Tensor) -> None:
-        offset, size = offsets[name]
-        total[offset : offset + size] += grad.reshape(-1).double()
-
+        views[name] = total[offset : offset + p.numel()].view(p.shape)
+        offset += p.numel()
     full_names = {id(p): name for name, p in model.named_parameters()}
-    try:
-        capture: _Capture | None = _Capture(_hooked_modules(model)) if ghost else None
-    except _Unsupported:
-        capture = None
-    owned = {
-        (id(m), local): full_names[id(p)]
-        for m in (capture.modules if capture else [])
-        for local, p in m.named_parameters(recurse=False)
-    }
-    handles = [m.register_forward_hook(capture.hook, with_kwargs=True) for m in capture.modules] if capture else []
+
+    def module_view(m: nn.Module, local: str) -> torch.Tensor:
+        return views[full_names[id(m._parameters[local])]]
+
     weigh = _Weigher(weights, n, dev)
-    try:
-        start = 0
-        first = True
-        for xb, yb in source.batches(chunk_size):
-            x, y, usable = _chunk_tensors(xb, yb, None, valid=valid, device=dev)
-            if first:  # data-independent: the null element at these parameters
-                _check_null_element(model, loss_fn, leaves, buffers, x[:1], y[:1])
-            norms = None
-            if capture is not None:
-                try:
-                    sq, captured = _hooked_chunk(model, loss_fn, capture, leaves, buffers, x, y, usable, check=first)
-                except _Unsupported:
-                    if not first:  # the structure of the forward changed from chunk to chunk
-                        raise
-                    capture = None
-                else:
-                    norms = sq.sqrt()
-                    w, keep = weigh(start, norms)
-                    for m, a, g in captured:
-                        for local, grad in _layer_sum(m, a, g, w, keep).items():
-                            add(owned[(id(m), local)], grad)
+    capture: _Capture | None = None
+    handles: list[Any] = []
+    with _full_precision(dev):
+        try:
+            start = 0
+            first = True
+            for xb, yb in source.batches(chunk_size):
+                x, y, usable = _chunk_tensors(xb, yb, None, valid=valid, device=dev)
+                if first:  # data-independent: the null element, then the method, on synthetic records
+                    _check_null_element(model, loss_fn, leaves, buffers, x[:1], y[:1])
+                    capture = _checked_capture(model, loss_fn, leaves, buffers, x, y) if hooks else None
+                    if capture is not None:
+                        handles = [m.register_forward_hook(capture.hook, with_kwargs=True) for m in capture.modules]
+                    first = False
+                if capture is not None:
+                    try:
+                        captured = _hooked_chunk(model, loss_fn, capture, leaves, buffers, x, y, usable, check=False)
+                    except _Unsupported as exc:  # the model's structure depends on its input
+                        raise ValueError(f"model: its forward changed structure between chunks ({exc})") from None
+                    norms = _hooked_sum(captured, x.shape[0], weigh, start, module_view)
                     del captured
-            if norms is None:
-                norms = _fallback_chunk(model, loss_fn, x, y, usable, weigh, start, add)
-            norms_out[start : start + len(norms)] = norms.detach().cpu()
-            start += len(norms)
-            first = False
-    finally:
-        for h in handles:
-            h.remove()
+                else:
+                    norms = _fallback_chunk(model, loss_fn, x, y, usable, weigh, start, views.__getitem__)
+                norms_out[start : start + len(norms)] = norms.detach().cpu()
+                start += len(norms)
+        finally:
+            for h in handles:
+                h.remove()
     if start != n or weigh.next != n:
         raise ValueError(f"source: expected {n} records from batches(), got {start}")
     out = total.cpu().numpy()
     if not np.isfinite(out).all():
-        raise NonFiniteSumError(f"the clipped gradient sum over {len(offsets)} tensors is not finite")
+        raise NonFiniteSumError(f"the clipped gradient sum over {len(views)} tensors is not finite")
     return norms_out.numpy(), out, "hooks" if capture is not None else "fallback"
 
 
@@ -814,6 +892,67 @@ def _check_null_element(
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
         raise NonFiniteSumError("the null element's gradient is not finite at these parameters")
+
+
+ACTIVATION_COPIES = 3  # a chunk holds its activations, their backprops and the captured inputs
+
+
+def activation_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> int | None:
+    """Bytes of every tensor the forward and the loss produce for the records ``x``, ``y``, measured on
+    the meta device (no memory is used, no value is read); None if the model cannot run there (a
+    forward that reads values, e.g. ``.item()`` or numpy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        total = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.total += t.numel() * t.element_size()
+            return out
+
+    meta = {name: torch.empty_like(t, device="meta") for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    xm, ym = torch.empty_like(x, device="meta"), torch.empty_like(y, device="meta")
+    counter = Count()  # type: ignore[no-untyped-call]
+    try:
+        with torch.no_grad(), counter:
+            loss_fn(functional_call(model, meta, (xm,)), ym)
+    except Exception:  # any failure means: not measurable on the meta device
+        return None
+    return counter.total
+
+
+def chunk_for_budget(
+    model: nn.Module, loss_fn: LossFn, source: RecordSource, *, budget_bytes: int, most: int = 1024
+) -> int:
+    """The most records per chunk (at most ``most``) whose activations, backprops and captured inputs fit
+    ``budget_bytes``, from two records of the source's shapes measured on the meta device.
+
+    The coordinator chooses the model and its arguments (e.g. a wide hidden layer repeated): the
+    chunk shrinks to the owner's budget, and a model whose single record exceeds it is refused
+    (:class:`client_agent.config.PolicyError`, before anything is computed or charged). The answer
+    depends on the model and the records' shapes only, never on their values. A model the meta
+    device cannot run gets ``most``.
+    """
+    from client_agent.config import PolicyError
+
+    xb, yb = next(iter(source.batches(1)))
+    x1, y1 = _as_tensor(xb), _as_tensor(yb)
+    x2, y2 = x1[:1].expand(2, *x1.shape[1:]), y1[:1].expand(2, *y1.shape[1:])
+    measured = activation_bytes(model, loss_fn, x2, y2)
+    if measured is None:
+        return most
+    per_record = max(1, ACTIVATION_COPIES * measured // 2)
+    chunk = min(most, budget_bytes // per_record)
+    if chunk < 1:
+        raise PolicyError(
+            f"model: one record's activations need about {per_record >> 20} MiB, above policy-max-activation-mb "
+            f"({budget_bytes >> 20} MiB)"
+        )
+    return int(chunk)
 
 
 def _chunk_size(chunk_size: int) -> int:
@@ -926,19 +1065,16 @@ class StreamedGradients:
         valid: Validity | None = None,
         chunk_size: int = 1024,
         device: str = "cpu",
-        ghost: bool = False,
+        hooks: bool = True,
     ) -> None:
-        """``ghost``: ghost norms and the book-keeping sum from hooks (fast). Off by default, and off in
-        the agent: a hostile review found that the hooks' norm and sum can disagree far beyond
-        NORM_REL_ERROR when one record's per-position terms cancel (float32 accumulation), that
-        the hooks' first-chunk check can switch the method on one record's data (timing), and that
-        a leaf with a NaN gradient at zero input fails on stopped records. Off, each record's
-        gradient is formed by vmap(grad) per sub-batch, its norm and its weighted contribution
-        come from that same row, and memory stays bounded by a sub-batch."""
+        """``hooks`` (the default, and the agent's path): the fused pass on the activations and backprops
+        the module hooks capture (:func:`_hooked_sum`); off, or for a model the hooks cannot see,
+        each record's whole gradient by vmap(grad) per sub-batch. Either way a record's norm and its
+        weighted contribution come from the same values, and memory stays bounded by a chunk."""
         check_model(model)
         self.model, self.loss_fn, self.source = model, loss_fn, source
         self.valid, self.chunk_size, self.device = valid, _chunk_size(chunk_size), device
-        self.ghost = ghost
+        self.hooks = hooks
         self.n_units = len(source)
         self.dim = sum(p.numel() for p in model.parameters())
         self.method = ""
@@ -954,7 +1090,7 @@ class StreamedGradients:
                 valid=self.valid,
                 chunk_size=self.chunk_size,
                 device=self.device,
-                ghost=self.ghost,
+                hooks=self.hooks,
             )
         return self._norms
 
@@ -995,7 +1131,7 @@ class StreamedGradients:
             valid=self.valid,
             chunk_size=self.chunk_size,
             device=self.device,
-            ghost=self.ghost,
+            hooks=self.hooks,
         )
         return total
 

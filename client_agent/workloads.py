@@ -18,7 +18,14 @@ import torch
 from numpy.typing import NDArray
 
 from client_agent.gradients import per_example_gradients, summed_gradient
-from client_agent.streaming import Contributions, RecordSource, RowContributions, StreamedGradients, batch_tensor
+from client_agent.streaming import (
+    Contributions,
+    RecordSource,
+    RowContributions,
+    StreamedGradients,
+    batch_tensor,
+    chunk_for_budget,
+)
 from protocol import messages as wire
 from protocol.builtin_workload import BUILTIN
 from protocol.models import load_flat_parameters, parameter_count
@@ -74,11 +81,13 @@ def gradient_contributions(
     unit: str,
     workload: Workload | None = None,
     device: str = "cpu",
+    activation_budget: int | None = None,
 ) -> Contributions:
     """The request's per-unit gradients as the release kernel uses them.
 
     ``record`` units: :class:`client_agent.streaming.StreamedGradients` over ``source``, one fused
-    pass over the records, memory bounded by a chunk, never an (n, d) matrix. ``client`` units: the
+    pass over the records, memory bounded by a chunk, never an (n, d) matrix; with
+    ``activation_budget`` (bytes: the agent's policy-max-activation-mb), chunks sized to it. ``client`` units: the
     one row of :func:`client_gradient_row`, with the workload's loss and validity rule.
 
     Privacy note: the null element as in :func:`gradient_rows`: a record the workload's ``valid``
@@ -100,7 +109,10 @@ def gradient_contributions(
 
     if unit != "record":
         return RowContributions(client_gradient_row(model, registry.loss, source, valid=valid))
-    return StreamedGradients(model, registry.loss, source, valid=valid, device=device)
+    chunk = 1024
+    if activation_budget is not None:  # the owner's budget: chunks sized to it, or a policy refusal
+        chunk = chunk_for_budget(model, registry.loss, source, budget_bytes=activation_budget, most=chunk)
+    return StreamedGradients(model, registry.loss, source, valid=valid, device=device, chunk_size=chunk)
 
 
 def client_gradient_row(

@@ -48,10 +48,15 @@ def classification_records(x: torch.Tensor, y: torch.Tensor, model: nn.Module | 
     return ok & whole & (labels >= 0) & (labels < classes)
 
 
+# MNIST's customary per-pixel mean and std (of x / 255): the built-in models take standardised images.
+MNIST_NORMALISATION = (0.1307, 0.3081)
+
+
 def npz_data(path: Path) -> DataSource:
+    """``.npz`` / ``.npy`` pairs as stored; MNIST IDX files as standardised float32 ``(n, 1, 28, 28)`` images."""
     from client_agent.data_sources import open_source
 
-    return open_source(path)
+    return open_source(path, normalise=MNIST_NORMALISATION)
 
 
 def _flat(x: Any) -> Any:

@@ -39,7 +39,7 @@ from protocol.conversions import (
     rho_budget,
 )
 from protocol.releases import GaussianRelease
-from protocol.validate import PrivacyParameterError, non_negative, open_unit, order_above_one, positive
+from protocol.validate import PrivacyParameterError, non_negative, open_unit, order_above_one, positive, positive_int
 
 FilterKind = Literal["gdp", "zcdp", "renyi", "renyi_multi"]
 FILTER_KINDS: tuple[str, ...] = ("gdp", "zcdp", "renyi", "renyi_multi")
@@ -129,6 +129,7 @@ class GaussianFilter:
         if len(orders) == 0:
             raise PrivacyParameterError("orders: expected at least one Rényi order, got none")
         checked = tuple(order_above_one(f"orders[{i}]", a) for i, a in enumerate(orders))
+        positive("epsilon", epsilon)  # named here: the per-order loop below skips orders, not bad epsilons
         share = open_unit("delta", delta) / len(checked)
         usable = []
         for order in checked:
@@ -227,9 +228,8 @@ class FilterState:
     @classmethod
     def fresh(cls, n_units: int) -> FilterState:
         """A state for ``n_units`` units that have spent nothing."""
-        if isinstance(n_units, bool) or not isinstance(n_units, int) or n_units < 1:
-            raise PrivacyParameterError(f"n_units: expected an integer >= 1, got {n_units!r}")
-        return cls(spent=np.zeros(n_units), stopped=np.zeros(n_units, dtype=np.bool_))
+        n = positive_int("n_units", n_units)
+        return cls(spent=np.zeros(n), stopped=np.zeros(n, dtype=np.bool_))
 
     @classmethod
     def _built(cls, spent: NDArray[np.float64], stopped: NDArray[np.bool_]) -> FilterState:

@@ -27,6 +27,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocol import secagg as sa
+from protocol.errors import ProtocolError as ProtocolError
+from protocol.validate import integer
 
 CONFIG = "config"
 ARRAYS = "arrays"
@@ -98,10 +100,6 @@ def error_name(code: int) -> str:
     return ERROR_NAMES.get(code, f"flower-{code}")
 
 
-class ProtocolError(ValueError):
-    """A message that does not decode: unknown type, missing or unexpected key, bad value or shape."""
-
-
 # --- field validation ---------------------------------------------------------------
 
 
@@ -129,11 +127,7 @@ def _str(config: Mapping[str, Any], key: str, kind: str, *, choices: tuple[str, 
 
 def _int(config: Mapping[str, Any], key: str, kind: str, *, minimum: int = 0, maximum: int = MAX_WIRE_INT) -> int:
     value = _require(config, key, kind)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(f"{kind}: {key!r} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum or value > maximum:
-        raise ProtocolError(f"{kind}: {key!r} must be in [{minimum}, {maximum}], got {value}")
-    return value
+    return integer(f"{kind}: {key!r}", value, at_least=minimum, at_most=maximum, error=ProtocolError)
 
 
 def _positive(config: Mapping[str, Any], key: str, kind: str) -> float:

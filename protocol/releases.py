@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from protocol.validate import PrivacyParameterError, order_above_one, positive
+from protocol.validate import PrivacyParameterError, order_above_one, positive, positive_int
 
 ReleaseKind = Literal["gradient", "indicator", "count", "monitor", "metric"]
 RELEASE_KINDS: tuple[str, ...] = ("gradient", "indicator", "count", "monitor", "metric")
@@ -112,6 +112,4 @@ def rdp_cost(*, mu: float, order: float) -> float:
 def tree_levels(max_rounds: int) -> int:
     """L = ceil(log2 N) + 1: the binary-tree counter's levels over N rounds, hence the most nodes one halt
     event lands in (DNPR; privacy.md §7). Its cost is L / sigma_m^2 of the squared budget."""
-    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
-        raise PrivacyParameterError(f"max_rounds: expected an integer >= 1, got {max_rounds!r}")
-    return math.ceil(math.log2(max_rounds)) + 1
+    return math.ceil(math.log2(positive_int("max_rounds", max_rounds))) + 1

@@ -76,6 +76,10 @@ import numpy as np
 # (and protocol.messages, which reads its constants and checks) loads neither.
 from numpy.typing import NDArray
 
+from protocol.errors import FixedPointOverflow as FixedPointOverflow
+from protocol.errors import SecaggError as SecaggError
+from protocol.validate import integer
+
 PROTOCOL_VERSION = b"fedfilter-secagg-v2"
 KEY_BYTES = 32  # X25519 keys, seeds, session tags
 FIELD_PRIME = (1 << 521) - 1  # Mersenne prime M521: every 32-byte secret is one field element
@@ -95,14 +99,6 @@ NOISE_TAIL_STDS = 40.0  # P(|N(0, 1)| > 40) < 1e-340: the noise's own range, ind
 MIN_GRID_NOISE_STD = 256.0  # noise std in grid units: the rounded Gaussian is then the discrete one to O(1e-5)
 
 
-class SecaggError(ValueError):
-    """Secure-aggregation material that is malformed, inconsistent, replayed or from the wrong keys."""
-
-
-class FixedPointOverflow(SecaggError):
-    """A value outside the fixed-point range it must fit (an error, never a wrap-around)."""
-
-
 def found_array(value: object) -> str:
     """How an error names what it found where an array was expected: ``dtype(shape)``, or the type's name."""
     return f"{value.dtype}{value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
@@ -112,22 +108,17 @@ def found_array(value: object) -> str:
 
 
 def _scale_bits(scale_bits: int) -> int:
-    if isinstance(scale_bits, bool) or not isinstance(scale_bits, int) or not 0 <= scale_bits <= MAX_SCALE_BITS:
-        raise SecaggError(f"scale_bits: expected an integer in [0, {MAX_SCALE_BITS}], got {scale_bits!r}")
-    return scale_bits
+    return integer("scale_bits", scale_bits, at_least=0, at_most=MAX_SCALE_BITS, error=SecaggError)
 
 
 def value_bound_for(n_clients: int) -> int:
     """The largest per-client bound B with n B <= 2^63 - 1: a sum of n values in [-B, B] never wraps."""
-    if isinstance(n_clients, bool) or not isinstance(n_clients, int) or not 1 <= n_clients <= MAX_CLIENTS:
-        raise SecaggError(f"n_clients: expected an integer in [1, {MAX_CLIENTS}], got {n_clients!r}")
-    return SUM_LIMIT // n_clients
+    return SUM_LIMIT // integer("n_clients", n_clients, at_least=1, at_most=MAX_CLIENTS, error=SecaggError)
 
 
 def check_value_bound(value_bound: int, n_clients: int) -> int:
     """``value_bound`` if n values within it sum without wrapping; a SecaggError naming both otherwise."""
-    if isinstance(value_bound, bool) or not isinstance(value_bound, int) or value_bound < 1:
-        raise SecaggError(f"value_bound: expected an integer >= 1, got {value_bound!r}")
+    integer("value_bound", value_bound, at_least=1, error=SecaggError)
     if value_bound > value_bound_for(n_clients):
         raise SecaggError(
             f"value_bound: {n_clients} clients with values up to {value_bound} could wrap the 64-bit sum; "
@@ -143,8 +134,7 @@ def encode_fixed_point(values: NDArray[np.floating], *, scale_bits: int, bound: 
     exact float-to-int conversion), so a value that passes can never wrap.
     """
     bits = _scale_bits(scale_bits)
-    if isinstance(bound, bool) or not isinstance(bound, int) or not 0 <= bound <= SUM_LIMIT:
-        raise SecaggError(f"bound: expected an integer in [0, 2^63 - 1], got {bound!r}")
+    integer("bound", bound, at_least=0, at_most=SUM_LIMIT, error=SecaggError)
     scaled = np.rint(np.ldexp(np.asarray(values, dtype=np.float64), bits))
     bad = ~(np.abs(scaled) < 2.0**63)  # also catches NaN
     if bad.any():
@@ -182,8 +172,7 @@ def data_bound(*, n_units: int, l2_clip: float, scale_bits: int) -> int:
     n eps sum |x| (eps = 2^-53), under 1e-6 of n C for n < 10^9; rounding to the grid adds 1/2.
     Hence ceil(n C 2^k (1 + 1e-6)) + 2.
     """
-    if isinstance(n_units, bool) or not isinstance(n_units, int) or not 1 <= n_units < 10**9:
-        raise SecaggError(f"n_units: expected an integer in [1, 10^9), got {n_units!r}")
+    integer("n_units", n_units, at_least=1, at_most=10**9 - 1, error=SecaggError)
     if not math.isfinite(l2_clip) or l2_clip <= 0:
         raise SecaggError(f"l2_clip: expected a finite number > 0, got {l2_clip!r}")
     return math.ceil(n_units * l2_clip * 2.0 ** _scale_bits(scale_bits) * (1 + 1e-6)) + 2
@@ -198,8 +187,7 @@ def noise_share_std(noise_std: float, min_clients: int) -> float:
     """sigma / sqrt(m): any m shares sum to Gaussian noise of variance sigma^2 (privacy.md §2, secagg)."""
     if not math.isfinite(noise_std) or noise_std <= 0:
         raise SecaggError(f"noise_std: expected a finite number > 0, got {noise_std!r}")
-    if isinstance(min_clients, bool) or not isinstance(min_clients, int) or min_clients < MIN_CLIENTS:
-        raise SecaggError(f"min_clients: expected an integer >= {MIN_CLIENTS}, got {min_clients!r}")
+    integer("min_clients", min_clients, at_least=MIN_CLIENTS, error=SecaggError)
     return noise_std / math.sqrt(min_clients)
 
 
@@ -315,8 +303,7 @@ def expand_mask(seed: bytes, dim: int) -> NDArray[np.uint64]:
     """
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-        raise SecaggError(f"dim: expected an integer >= 0, got {dim!r}")
+    integer("dim", dim, at_least=0, error=SecaggError)
     encryptor = Cipher(algorithms.ChaCha20(_bytes32("mask seed", seed), b"\x00" * 16), mode=None).encryptor()
     stream = encryptor.update(bytes(8 * dim))
     return np.frombuffer(stream, dtype="<u8").astype(np.uint64, copy=False)
@@ -590,8 +577,7 @@ class Roster:
             raise SecaggError(f"roster: expected as many masking keys as encryption keys ({n}), got {mask.shape[0]}")
         if not MIN_CLIENTS <= n <= MAX_CLIENTS:
             raise SecaggError(f"roster: expected between {MIN_CLIENTS} and {MAX_CLIENTS} clients, got {n}")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int):
-            raise SecaggError(f"threshold: expected an integer, got {self.threshold!r}")
+        integer("threshold", self.threshold, error=SecaggError)
         if not MIN_CLIENTS <= self.threshold <= n:
             raise SecaggError(
                 f"threshold: expected {MIN_CLIENTS} <= m <= {n} (the roster's size), got {self.threshold}"

@@ -2,7 +2,8 @@
 
 Every check raises :class:`PrivacyParameterError` naming the parameter, what was
 expected and the value received (house style: a bad parameter is an error, never
-a default; privacy.md section 3, last rule).
+a default; privacy.md section 3, last rule). :func:`integer` takes the error class
+of the caller's package (``ProtocolError`` at the wire, ``SecaggError``, ...).
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ from __future__ import annotations
 import math
 from numbers import Real
 
-
-class PrivacyParameterError(ValueError):
-    """A privacy, noise or budget parameter is missing, non-finite or out of range."""
+from protocol.errors import PrivacyParameterError as PrivacyParameterError
 
 
 def _as_float(name: str, value: object) -> float:
@@ -56,10 +55,41 @@ def order_above_one(name: str, value: object) -> float:
     return out
 
 
+def integer(
+    name: str,
+    value: object,
+    *,
+    at_least: int | None = None,
+    at_most: int | None = None,
+    error: type[Exception] = PrivacyParameterError,
+) -> int:
+    """Return ``value`` if it is an int (a bool is not) within ``[at_least, at_most]``; raise ``error`` otherwise.
+
+    The message names the parameter, the integers expected and the value received.
+
+    Example:
+        >>> integer("max_rounds", 3, at_least=1)
+        3
+        >>> integer("max_rounds", True, at_least=1)
+        Traceback (most recent call last):
+        ...
+        protocol.errors.PrivacyParameterError: max_rounds: expected an integer >= 1, got True (bool)
+    """
+    if at_least is not None and at_most is not None:
+        expected = f"an integer in [{at_least}, {at_most}]"
+    elif at_least is not None:
+        expected = f"an integer >= {at_least}"
+    elif at_most is not None:
+        expected = f"an integer <= {at_most}"
+    else:
+        expected = "an integer"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise error(f"{name}: expected {expected}, got {value!r} ({type(value).__name__})")
+    if (at_least is not None and value < at_least) or (at_most is not None and value > at_most):
+        raise error(f"{name}: expected {expected}, got {value!r}")
+    return value
+
+
 def positive_int(name: str, value: object) -> int:
     """Return ``value`` if it is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PrivacyParameterError(f"{name}: expected an integer >= 1, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise PrivacyParameterError(f"{name}: expected an integer >= 1, got {value!r}")
-    return value
+    return integer(name, value, at_least=1)

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from protocol.errors import FedfilterError
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
@@ -45,7 +47,7 @@ BUILTIN_REF = "protocol.builtin_workload:BUILTIN"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$")
 
 
-class WorkloadError(ValueError):
+class WorkloadError(FedfilterError, ValueError):
     """A workload reference, object, name or factory that is not what the agent or coordinator expects."""
 
 
@@ -169,7 +171,6 @@ class Workload:
     - ``valid(x, y, model) -> (b,) bool``: which records are usable; the others are the null element;
     - ``queries``: per-record vector queries by name (:class:`Query`);
     - ``evaluate``: optional server-side evaluation ``evaluate(model, x, y) -> metrics``;
-    - ``local_train``: optional local-training hook (client units; see the local-training engine);
     - ``demo``: optional simulation hook for ``fedfilter simulate --workload`` (:class:`Demo`).
     """
 
@@ -180,7 +181,6 @@ class Workload:
     valid: Callable[..., torch.Tensor] = finite_features
     queries: Mapping[str, Query] = field(default_factory=dict)
     evaluate: Callable[..., dict[str, float]] | None = None
-    local_train: Callable[..., Any] | None = None
     demo: Callable[..., Demo] | None = None
 
     def __post_init__(self) -> None:
@@ -202,7 +202,7 @@ class Workload:
         for what in ("loss", "data", "valid"):
             if not callable(getattr(self, what)):
                 raise WorkloadError(f"workload {self.name!r}: expected a callable {what}")
-        for what in ("evaluate", "local_train", "demo"):
+        for what in ("evaluate", "demo"):
             hook = getattr(self, what)
             if hook is not None and not callable(hook):
                 raise WorkloadError(f"workload {self.name!r}: expected {what} to be callable or None")
