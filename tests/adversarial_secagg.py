@@ -23,46 +23,21 @@ import numpy as np
 
 from client_agent import secagg_client
 from client_agent.agent import Agent, Outcome
-from client_agent.config import parse_agent_config
 from protocol import messages as wire
 from protocol import secagg as sa
-from simulations.federation import secagg_identities
+from tests.factories import count_request, secagg_agents
 
-SIGMA, CLIP, BITS = 10.0, 100.0, 24
+BITS = 24
 RUN = "run"
 
 
 def make_clients(root: Path, n: int, **over: Any) -> list[Agent]:
     """``n`` secagg agents, client units, 10 records each with known labels; all trust each other."""
-    root.mkdir(parents=True, exist_ok=True)
-    identities = secagg_identities(root / "identities", n)
-    out = []
-    for i in range(n):
-        rng = np.random.default_rng(i)
-        np.savez(root / f"data{i}.npz", x=rng.normal(size=(10, 3)).astype(np.float32), y=rng.integers(0, 2, 10))
-        cfg = {
-            "ledger-path": str(root / f"ledger{i}.sqlite"),
-            "data-path": str(root / f"data{i}.npz"),
-            "epsilon": 50.0,
-            "delta": 1e-5,
-            "unit": "client",
-            "trust": "secagg",
-            "noise-seed": 100 + i,
-            **identities[i],
-        }
-        out.append(Agent(parse_agent_config(cfg | over, simulation=True)))
-    return out
+    return list(secagg_agents(root, n, **({"epsilon": 50.0} | over)).values())
 
 
 def label_count(agent: Agent) -> int:
     return int(np.sum(agent.y == 1))
-
-
-def count_request(secagg: wire.SecaggInput | None, *, rnd: int = 1, value: float = 1.0) -> wire.IndicatorRequest:
-    """The round's question: how many records have label ``value`` (a crafted ``value`` asks another question)."""
-    return wire.IndicatorRequest(
-        f"{RUN}:indicator:r{rnd}", RUN, rnd, SIGMA, CLIP, "secagg", "client", "label", 0, value, secagg=secagg
-    )
 
 
 def ask(agent: Agent, request: wire.Request) -> Outcome:

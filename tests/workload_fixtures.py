@@ -14,6 +14,7 @@ from examples.gn_regression import workload as example
 from protocol import messages as wire
 from protocol.models import flatten_parameters
 from protocol.workload import layout_fingerprint
+from tests.factories import gradient_request, indicator_request
 
 REF = "examples.gn_regression.workload:WORKLOAD"
 RECORDS = 12
@@ -46,14 +47,9 @@ def model_request(request_id: str = "g1", *, outputs: int = 2, layout_outputs: i
     model = example.WORKLOAD.build_model("gn_cnn", outputs=outputs)
     with torch.device("meta"):
         layout_model = example.WORKLOAD.build_model("gn_cnn", outputs=layout_outputs or outputs)
-    request = wire.GradientRequest(
-        request_id=request_id,
-        run_id="run",
-        round=1,
+    request = gradient_request(
+        request_id,
         noise_std=1.0,
-        l2_clip=1.0,
-        trust="local",
-        unit="record",
         model="gn_cnn",
         model_args=json.dumps({"outputs": outputs}),
         parameters=flatten_parameters(model),
@@ -64,16 +60,4 @@ def model_request(request_id: str = "g1", *, outputs: int = 2, layout_outputs: i
 
 
 def histogram(request_id: str = "q1", predicate: str = "target_histogram") -> Any:
-    request = wire.IndicatorRequest(
-        request_id=request_id,
-        run_id="run",
-        round=1,
-        noise_std=1.0,
-        l2_clip=1.0,
-        trust="local",
-        unit="record",
-        predicate=predicate,
-        column=0,
-        value=0.0,
-    )
-    return wire.encode_request(request)
+    return wire.encode_request(indicator_request(request_id, predicate=predicate))

@@ -29,8 +29,9 @@ import numpy as np
 import pytest
 
 from client_agent.ledger import Ledger
-from simulations.deploy import make_node_keys, write_agent_files
-from simulations.local_deployment import (
+from simulations.deploy.agent_files import write_agent_files
+from simulations.deploy.keys import make_node_keys
+from simulations.deploy.local import (
     DeploymentError,
     LocalDeployment,
     descendants,

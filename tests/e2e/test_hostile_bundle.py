@@ -53,8 +53,9 @@ import pytest
 from client_agent.ledger import Ledger
 from client_agent.ledger_report import verify_ledger
 from protocol import messages as wire
-from simulations.deploy import make_node_keys, write_agent_files, write_agent_toml
-from simulations.local_deployment import (
+from simulations.deploy.agent_files import write_agent_files, write_agent_toml
+from simulations.deploy.keys import make_node_keys
+from simulations.deploy.local import (
     DeploymentError,
     LocalDeployment,
     NodeLauncher,

@@ -26,10 +26,10 @@ from client_agent.client_app import forward, proxy_message
 from client_agent.ledger import Ledger
 from protocol import messages as wire
 from protocol.records import decode_content, encode_content
-from simulations.deploy import write_agent_toml
+from simulations.deploy.agent_files import write_agent_toml
+from tests import factories
 
 ENV = os.environ | {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
-MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
 
 
 def agent_toml(root: Path, name: str = "agent", **over: Any) -> Path:
@@ -109,20 +109,7 @@ def status(sock: Path) -> dict[str, Any]:
 
 
 def gradient(request_id: str, rnd: int = 1, noise_std: float = 2.0) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    return wire.encode_request(
-        wire.GradientRequest(
-            request_id=request_id,
-            run_id="run",
-            round=rnd,
-            noise_std=noise_std,
-            l2_clip=1.0,
-            trust="local",
-            unit="record",
-            model="logreg",
-            model_args=MODEL_ARGS,
-            parameters=np.zeros(8, np.float32),
-        )
-    )
+    return wire.encode_request(factories.gradient_request(request_id, round=rnd, noise_std=noise_std))
 
 
 def flower_request(message_type: str, config: dict[str, Any], arrays: dict[str, np.ndarray]) -> Message:
@@ -135,8 +122,7 @@ def context(sock: Path | None) -> Context:
 
 
 def spent(toml_dir: Path) -> np.ndarray:
-    with Ledger.open_existing(toml_dir / "ledger.sqlite") as ledger:
-        return np.array(ledger.state()["spent"])
+    return factories.spent(toml_dir / "ledger.sqlite")
 
 
 def test_the_proxy_forwards_flower_messages_and_the_service_charges(

@@ -18,10 +18,10 @@ import pytest
 from client_agent.ledger import Ledger
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import model_evaluator
-from simulations.data import synthetic_classification
+from simulations.datasets.scenarios import sparse_counting, staircase
+from simulations.datasets.synthetic import synthetic_classification
 from simulations.engine import run_engine, run_flower
 from simulations.federation import write_clients
-from simulations.scenarios import sparse_counting, staircase
 
 pytestmark = pytest.mark.flower
 

@@ -12,7 +12,6 @@ request is sent again. Invariants (privacy.md §9):
 
 from __future__ import annotations
 
-import json
 import pickle
 import signal
 import subprocess
@@ -25,6 +24,8 @@ import pytest
 from client_agent.agent import unpack_reply
 from client_agent.ledger import Ledger
 from protocol import messages as wire
+from tests import factories
+from tests.factories import spent
 
 CHILD = r"""
 import json, pickle, sys
@@ -36,30 +37,8 @@ sys.stdout.buffer.write(pickle.dumps((outcome.error_code, outcome.error_reason, 
 
 
 def setup(tmp_path: Path) -> tuple[dict[str, object], tuple[str, dict[str, object], dict[str, np.ndarray]]]:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(20, 3)).astype(np.float32)
-    np.savez(tmp_path / "data.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
-    node_config = {
-        "ledger-path": str(tmp_path / "ledger.sqlite"),
-        "data-path": str(tmp_path / "data.npz"),
-        "epsilon": 3.0,
-        "delta": 1e-5,
-        "unit": "record",
-        "trust": "local",
-    }
-    request = wire.GradientRequest(
-        request_id="run:r1:n1",
-        run_id="run",
-        round=1,
-        noise_std=5.0,
-        l2_clip=1.0,
-        trust="local",
-        unit="record",
-        model="logreg",
-        model_args=json.dumps({"in_features": 3, "n_classes": 2}),
-        parameters=np.zeros(3 * 2 + 2, dtype=np.float32),
-    )
-    config, arrays = wire.encode_request(request)
+    node_config = factories.node_config(tmp_path, factories.client_data(20), epsilon=3.0)
+    config, arrays = wire.encode_request(factories.gradient_request("run:r1:n1", noise_std=5.0))
     return node_config, (wire.GRADIENT, config, arrays)
 
 
@@ -75,11 +54,6 @@ def run_child(payload: object, fault: str | None) -> subprocess.CompletedProcess
         env={**os.environ, **env},
         check=False,
     )
-
-
-def spent(path: Path) -> np.ndarray:
-    with Ledger.open_existing(path) as ledger:
-        return ledger.state()["spent"]
 
 
 @pytest.mark.parametrize("step", ["after_compute", "after_commit", "before_send"])

@@ -1,4 +1,4 @@
-"""FZ Sec. 5.1 / Fig. 1 reproduction (simulations/fz_mnist.py): cell rules, a small trial, the full run on request."""
+"""FZ Sec. 5.1 / Fig. 1 (simulations/reproductions/fz_sec51.py): cell rules, a small trial, the full run on request."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from protocol.filters import GaussianFilter
-from simulations.data import default_data_dir
-from simulations.fz_mnist import (
+from simulations.datasets.idx import default_data_dir
+from simulations.reproductions.fz_sec51 import (
     DELTA,
     EPSILONS,
     PAPER,

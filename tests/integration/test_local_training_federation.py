@@ -16,19 +16,28 @@ from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import model_evaluator
 from coordinator.rounds import run
 from protocol.models import build_model, flatten_parameters
-from simulations.data import synthetic_classification
-from simulations.federation import write_clients
 from simulations.inprocess import InProcessTransport
+from tests.factories import federation
 
 CLIENTS, RECORDS, FEATURES, ROUNDS = 5, 40, 5, 4
 
 
 @pytest.mark.parametrize("trust", ["central", "local"])
 def test_local_training_lowers_the_loss_and_charges_one_release_per_round(tmp_path: Path, trust: str) -> None:
-    x, y = synthetic_classification(CLIENTS * RECORDS, FEATURES, 2, seed=0, separation=2.0)
-    parts = [(x[i * RECORDS : (i + 1) * RECORDS], y[i * RECORDS : (i + 1) * RECORDS]) for i in range(CLIENTS)]
     # A large budget and little noise: the noiseless-ish regime, where the loss must go down.
-    per = write_clients(tmp_path, parts, epsilon=1e4, delta=1e-5, unit="client", trust=trust, noise_seed=1)
+    per, x, y = federation(
+        tmp_path,
+        clients=CLIENTS,
+        records=RECORDS,
+        features=FEATURES,
+        seed=0,
+        separation=2.0,
+        epsilon=1e4,
+        delta=1e-5,
+        unit="client",
+        trust=trust,
+        noise_seed=1,
+    )
     cfg = CoordinatorConfig(
         num_nodes=CLIENTS,
         n_public=CLIENTS,

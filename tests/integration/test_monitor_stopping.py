@@ -3,7 +3,7 @@
 Real client agents (ledger, filter, monitor replies) answer through the in-process transport,
 so many seeded federations fit in the default test run; the same pairing runs under Flower in
 tests/integration/test_coordinator_flower.py. Records fall into four groups whose budgets run
-out at known rates (simulations.scenarios.staircase); the true crossing is read back from the
+out at known rates (simulations.datasets.scenarios.staircase); the true crossing is read back from the
 clients' ledgers (each unit's halt round).
 """
 
@@ -19,9 +19,9 @@ from client_agent.ledger import Ledger
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import run
 from protocol.conversions import mu_budget
+from simulations.datasets.scenarios import staircase
 from simulations.federation import write_clients
 from simulations.inprocess import InProcessTransport
-from simulations.scenarios import staircase
 
 CLIENTS, RECORDS, THRESHOLD, ROUNDS = 10, 200, 1250, 64
 

@@ -10,15 +10,25 @@ import numpy as np
 from client_agent.ledger import Ledger
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import run
-from simulations.data import synthetic_classification
-from simulations.federation import write_clients
 from simulations.inprocess import InProcessTransport
+from tests import factories
 
 
 def federation(root: Path) -> dict:
-    x, y = synthetic_classification(60, 4, 2, seed=1, separation=2.0)
-    parts = [(x[i * 20 : (i + 1) * 20], y[i * 20 : (i + 1) * 20]) for i in range(3)]
-    return write_clients(root, parts, epsilon=4.0, delta=1e-5, unit="record", trust="local", noise_seed=2)
+    per, _, _ = factories.federation(
+        root,
+        clients=3,
+        records=20,
+        features=4,
+        seed=1,
+        separation=2.0,
+        epsilon=4.0,
+        delta=1e-5,
+        unit="record",
+        trust="local",
+        noise_seed=2,
+    )
+    return per
 
 
 def spent_and_answered(per: dict) -> tuple[np.ndarray, int]:

@@ -19,7 +19,7 @@ from scipy import stats
 from client_agent.ledger import Ledger
 from protocol.realisation import RealisationFilter
 from simulations.cli import main
-from simulations.reproductions import (
+from simulations.reproductions.tvc_fig2 import (
     DKW_ALPHA,
     TVC_CLIENTS,
     TVC_DELTA,

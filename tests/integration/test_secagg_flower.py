@@ -21,7 +21,7 @@ import pytest
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import model_evaluator
 from coordinator.rounds import run
-from simulations.data import synthetic_classification
+from simulations.datasets.synthetic import synthetic_classification
 from simulations.engine import run_flower
 from simulations.federation import write_clients
 from simulations.inprocess import InProcessTransport

@@ -50,8 +50,9 @@ def test_quickstart_on_flower(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def test_mnist_gd_preset_builds_its_federation(tmp_path: Path) -> None:
     # The plan only (a full run is paper-scale): 60,000 MNIST records over 10 clients, CNN-shaped inputs.
-    from simulations.data import default_data_dir
-    from simulations.simulate import Options, mnist_gd
+    from simulations.datasets.idx import default_data_dir
+    from simulations.presets.base import Options
+    from simulations.presets.mnist_gd import mnist_gd
 
     if not (default_data_dir() / "mnist").is_dir():
         pytest.skip("no local MNIST copy (../shared/data)")

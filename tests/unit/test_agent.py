@@ -16,48 +16,24 @@ from client_agent.agent import Agent
 from client_agent.config import AgentConfigError, parse_agent_config
 from client_agent.ledger import LedgerError
 from protocol import messages as wire
+from tests.factories import MODEL_ARGS, N_PARAMS, build_agent, gradient_request, indicator_request
 
-MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
-N_PARAMS = 3 * 2 + 2
+# What every agent here adds to the factory's node config: a policy, and seeded noise.
+POLICY = {
+    "policy-min-noise-std": 1.0,
+    "policy-max-clip": 2.0,
+    "policy-max-model-params": 100,
+    "policy-max-rounds-per-run": 5,
+    "noise-seed": 3,
+}
 
 
 def make_agent(tmp_path: Path, data: tuple[np.ndarray, np.ndarray] | None = None, **overrides: Any) -> Agent:
-    if data is None:
-        x = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
-        data = (x, (x[:, 0] > 0).astype(np.int64))
-    np.savez(tmp_path / "data.npz", x=data[0], y=data[1])
-    node_config = {
-        "ledger-path": str(tmp_path / "ledger.sqlite"),
-        "data-path": str(tmp_path / "data.npz"),
-        "epsilon": 1.0,
-        "delta": 1e-5,
-        "unit": "record",
-        "trust": "local",
-        "policy-min-noise-std": 1.0,
-        "policy-max-clip": 2.0,
-        "policy-max-model-params": 100,
-        "policy-max-rounds-per-run": 5,
-        "noise-seed": 3,
-    }
-    node_config.update(overrides)
-    return Agent(parse_agent_config(node_config, simulation=True))
+    return build_agent(tmp_path, data, **(POLICY | overrides))
 
 
 def gradient(request_id: str = "r1", **fields: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    base = dict(
-        request_id=request_id,
-        run_id="run",
-        round=1,
-        noise_std=2.0,
-        l2_clip=1.0,
-        trust="local",
-        unit="record",
-        model="logreg",
-        model_args=MODEL_ARGS,
-        parameters=np.zeros(N_PARAMS, np.float32),
-    )
-    base.update(fields)
-    return wire.encode_request(wire.GradientRequest(**base))
+    return wire.encode_request(gradient_request(request_id, **fields))
 
 
 def ledger_snapshot(agent: Agent) -> tuple[int, bytes]:
@@ -345,20 +321,7 @@ def test_ledger_verify_detects_tampered_spend(tmp_path: Path, capsys: pytest.Cap
 
 
 def indicator(request_id: str, **fields: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    base = dict(
-        request_id=request_id,
-        run_id="q",
-        round=1,
-        noise_std=2.0,
-        l2_clip=1.0,
-        trust="local",
-        unit="record",
-        predicate="column",
-        column=0,
-        value=0.0,
-    )
-    base.update(fields)
-    return wire.encode_request(wire.IndicatorRequest(**base))
+    return wire.encode_request(indicator_request(request_id, **({"run_id": "q", "noise_std": 2.0} | fields)))
 
 
 def test_indicator_query_charges_only_positive_units(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -14,45 +13,19 @@ from client_agent.agent_cache import AgentCache
 from client_agent.direct import answer_request
 from client_agent.ledger import Ledger
 from protocol import messages as wire
-
-MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
+from tests import factories
 
 
 def node_config(tmp_path: Path) -> dict[str, Any]:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(10, 3)).astype(np.float32)
-    np.savez(tmp_path / "data.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
-    return {
-        "ledger-path": str(tmp_path / "ledger.sqlite"),
-        "data-path": str(tmp_path / "data.npz"),
-        "epsilon": 1.0,
-        "delta": 1e-5,
-        "unit": "record",
-        "trust": "local",
-        "noise-seed": 3,
-    }
+    return factories.node_config(tmp_path, **{"noise-seed": 3})
 
 
 def gradient(i: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    return wire.encode_request(
-        wire.GradientRequest(
-            request_id=f"r{i}",
-            run_id="run",
-            round=i,
-            noise_std=4.0,
-            l2_clip=1.0,
-            trust="local",
-            unit="record",
-            model="logreg",
-            model_args=MODEL_ARGS,
-            parameters=np.zeros(8, np.float32),
-        )
-    )
+    return wire.encode_request(factories.gradient_request(f"r{i}", round=i, noise_std=4.0))
 
 
 def spent(cfg: dict[str, Any]) -> np.ndarray:
-    with Ledger.open_existing(Path(cfg["ledger-path"])) as ledger:
-        return ledger.state()["spent"]
+    return factories.spent(cfg["ledger-path"])
 
 
 @pytest.fixture

@@ -15,22 +15,9 @@ from coordinator.rounds import EnrolmentError, noise_rng, run
 from coordinator.transport import Payload, RoundReplies
 from protocol import messages as wire
 from protocol.models import build_model, flatten_parameters
+from tests.factories import gradient_run, status
 
 NODES = [987_654_321, 987_654_322, 987_654_323]
-MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
-
-
-def status(*, trust: str, unit: str = "record", monitor: dict[str, Any] | None = None, filter: str = "gdp") -> str:
-    ledger = {
-        "filter": filter,
-        "epsilon": 2.0,
-        "delta": 1e-5,
-        "unit": unit,
-        "trust": trust,
-        "n_units": 5,
-        "params": {"monitor": monitor or {"kind": "none"}},
-    }
-    return json.dumps({"ledger": ledger, "policy": {}})
 
 
 class Scripted:
@@ -70,20 +57,7 @@ class Scripted:
 
 
 def config(**over: Any) -> CoordinatorConfig:
-    base: dict[str, Any] = dict(
-        num_nodes=3,
-        n_public=15,
-        rounds=1,
-        noise_std=2.0,
-        l2_clip=1.0,
-        learning_rate=0.5,
-        trust="central",
-        model="logreg",
-        model_args=MODEL_ARGS,
-        noise_seed=11,
-        progress=False,
-    )
-    return CoordinatorConfig(**(base | over))
+    return gradient_run(**(dict(num_nodes=3, n_public=15, learning_rate=0.5, noise_seed=11) | over))
 
 
 def test_step_divides_by_public_n_whoever_answered(tmp_path: Path) -> None:

@@ -10,32 +10,10 @@ import numpy as np
 import pytest
 
 from client_agent.agent import Agent
-from client_agent.config import parse_agent_config
 from coordinator.secagg import SecaggRound, SecaggSettings, secagg_release
 from coordinator.transport import Payload, RoundReplies, Transport
 from protocol import messages as wire
-from simulations.federation import secagg_identities
-
-SIGMA, CLIP = 10.0, 100.0
-
-
-def make_agents(tmp_path: Path, n: int) -> dict[int, Agent]:
-    out = {}
-    for i in range(n):
-        rng = np.random.default_rng(i)
-        np.savez(tmp_path / f"data{i}.npz", x=rng.normal(size=(10, 3)).astype(np.float32), y=rng.integers(0, 2, 10))
-        cfg = {
-            "ledger-path": str(tmp_path / f"ledger{i}.sqlite"),
-            "data-path": str(tmp_path / f"data{i}.npz"),
-            "epsilon": 20.0,
-            "delta": 1e-5,
-            "unit": "client",
-            "trust": "secagg",
-            "noise-seed": 100 + i,
-            **secagg_identities(tmp_path / "identities", n)[i],
-        }
-        out[1000 + i] = Agent(parse_agent_config(cfg, simulation=True))
-    return out
+from tests.factories import COUNT_NOISE_STD, count_request, secagg_agents
 
 
 class OneNodeMisbehaves:
@@ -63,12 +41,6 @@ class ForgedSession(OneNodeMisbehaves):
         return out
 
 
-def count_request(node: int, secagg: wire.SecaggInput) -> wire.IndicatorRequest:
-    return wire.IndicatorRequest(
-        "run:indicator:r1", "run", 1, SIGMA, CLIP, "secagg", "client", "label", 0, 1.0, secagg=secagg
-    )
-
-
 def release(transport: Transport, nodes: list[int]) -> SecaggRound:
     """One counting session over ``nodes`` with m = 2."""
     return secagg_release(
@@ -79,9 +51,9 @@ def release(transport: Transport, nodes: list[int]) -> SecaggRound:
         nodes=nodes,
         settings=SecaggSettings(min_clients=3, scale_bits=24),
         kind=wire.INDICATOR,
-        build=count_request,
+        build=lambda node, s: count_request(s),
         size=1,
-        noise_std=SIGMA,
+        noise_std=COUNT_NOISE_STD,
         timeout=1.0,
     )
 
@@ -91,7 +63,7 @@ STEP_PREFIX = {wire.SECAGG_KEYS: "secagg-keys-", wire.SECAGG_SHARES: "secagg-sha
 
 @pytest.mark.parametrize("step", [wire.SECAGG_KEYS, wire.SECAGG_SHARES, wire.INDICATOR, wire.SECAGG_UNMASK])
 def test_a_reply_for_another_session_is_counted_and_left_out(tmp_path: Path, step: str) -> None:
-    agents = make_agents(tmp_path, 4)
+    agents = secagg_agents(tmp_path, 4)
     forged = sorted(agents)[1]
     result = release(ForgedSession(agents, step, forged), sorted(agents))
     name = STEP_PREFIX.get(step, "secagg-unmask-") + "malformed-reply"
@@ -121,7 +93,7 @@ class Refusing(OneNodeMisbehaves):
 
 @pytest.mark.parametrize("step", [wire.SECAGG_KEYS, wire.SECAGG_SHARES, wire.INDICATOR, wire.SECAGG_UNMASK])
 def test_an_error_reply_is_counted_by_code_and_its_text_is_not_kept(tmp_path: Path, step: str) -> None:
-    agents = make_agents(tmp_path, 4)
+    agents = secagg_agents(tmp_path, 4)
     result = release(Refusing(agents, step, sorted(agents)[2]), sorted(agents))
     assert dict(result.replies.errors) == {STEP_PREFIX.get(step, "secagg-unmask-") + "policy": 1}
     assert result.total is not None  # three clients are enough for m = 2
@@ -146,7 +118,7 @@ class TamperedUnmask(Refusing):
 
 def test_a_failed_unmask_aborts_with_the_coordinators_fixed_reason(tmp_path: Path) -> None:
     # The protocol's error names a client's roster index and what its reply held; the log says only what failed.
-    agents = make_agents(tmp_path, 4)
+    agents = secagg_agents(tmp_path, 4)
     result = release(TamperedUnmask(agents), sorted(agents))
     assert result.total is None
     fixed = "the unmask step failed a consistency check (shares, commitments or masked inputs)"

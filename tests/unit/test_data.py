@@ -1,4 +1,4 @@
-"""Tests for simulations/data.py: IDX loading against shared/data/README.md, partitions, synthetic data."""
+"""Tests for simulations/datasets/: IDX loading against shared/data/README.md, partitions, synthetic data."""
 
 from __future__ import annotations
 
@@ -15,23 +15,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from simulations.data import (
+from simulations.datasets.checks import DataParameterError
+from simulations.datasets.idx import (
     DATASET_FILES,
     ChecksumMismatchError,
-    DataParameterError,
     DatasetDownloadError,
     DatasetNotFoundError,
     IdxFormatError,
     default_data_dir,
     load_idx_dataset,
     normalise_images,
-    partition_dirichlet,
-    partition_iid,
     read_idx_images,
     read_idx_labels,
-    sparse_indicator_data,
-    synthetic_classification,
 )
+from simulations.datasets.partition import partition_dirichlet, partition_iid
+from simulations.datasets.synthetic import sparse_indicator_data, synthetic_classification
 
 DATA_DIR = default_data_dir()
 requires_data = pytest.mark.skipif(

@@ -124,6 +124,46 @@ def test_idx_images_and_labels(tmp_path: Path, gz: bool) -> None:
         IdxSource(img, tmp_path / "few-labels-idx1-ubyte")
 
 
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_truncated_idx_file_is_refused_when_opened(tmp_path: Path, gz: bool) -> None:
+    """Review finding: a file shorter than its header declares was accepted at start and failed part-way
+    through a request; it is now refused when the source is opened, with what was expected and found."""
+    images, labels = np.zeros((6, 28, 28)), np.zeros(6)
+    suffix = ".gz" if gz else ""
+    img = _idx(tmp_path / f"t-images-idx3-ubyte{suffix}", images, gz=gz)
+    _idx(tmp_path / f"t-labels-idx1-ubyte{suffix}", labels, gz=gz)
+    raw = gzip.decompress(img.read_bytes()) if gz else img.read_bytes()
+    cut = raw[: len(raw) - 100]  # the last image loses 100 bytes
+    img.write_bytes(gzip.compress(cut) if gz else cut)
+    want = 16 + 6 * 28 * 28
+    with pytest.raises(ValueError, match=f"expected {want} bytes for shape \\(6, 28, 28\\).*found {want - 100}"):
+        IdxSource(img)
+
+
+def test_idx_normalise_gives_standardised_float_images_that_the_builtin_cnn_takes(tmp_path: Path) -> None:
+    """Review finding: the built-in workload opened IDX files as raw uint8, which its CNN could not take on the
+    record path. With normalise=(mean, std) (what the built-in workload passes), x is float32 (b, 1, 28, 28)."""
+    from client_agent.streaming import StreamedGradients
+    from protocol.builtin_workload import BUILTIN, MNIST_NORMALISATION
+
+    rng = np.random.default_rng(2)
+    images, labels = rng.integers(0, 256, size=(7, 28, 28)), rng.integers(0, 10, size=7)
+    img = _idx(tmp_path / "train-images-idx3-ubyte", images, gz=False)
+    _idx(tmp_path / "train-labels-idx1-ubyte", labels, gz=False)
+    source = BUILTIN.open_data(img)
+    x, y = _collect(source, 3)
+    mean, std = MNIST_NORMALISATION
+    want = ((images.astype(np.float32) / np.float32(255.0) - np.float32(mean)) / np.float32(std))[:, None]
+    assert x.dtype == np.float32 and x.shape == (7, 1, 28, 28)
+    np.testing.assert_array_equal(x, want)
+    np.testing.assert_array_equal(y, labels)
+    model = BUILTIN.build_model("opacus_mnist_cnn", seed=0)
+    units = StreamedGradients(model, BUILTIN.loss, source, chunk_size=4)
+    assert np.all(units.norms() > 0) and units.method == "hooks"
+    with pytest.raises(ValueError, match="normalise: expected"):
+        IdxSource(img, normalise=(0.1, 0.0))
+
+
 class Squares(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __init__(self, n: int) -> None:
         self.n = n

@@ -18,16 +18,11 @@ from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
 from client_agent.config import _KEYS, AgentConfigError, parse_agent_config
 from simulations.cli import main as cli_main
-from simulations.deploy import (
-    DeployFileError,
-    check_agent_file,
-    connection_toml,
-    make_certificates,
-    make_node_keys,
-    toml_value,
-    write_agent_toml,
-)
-from simulations.local_deployment import run_config_args
+from simulations.deploy.agent_files import check_agent_file, toml_value, write_agent_toml
+from simulations.deploy.certs import connection_toml, make_certificates
+from simulations.deploy.files import DeployFileError
+from simulations.deploy.keys import make_node_keys
+from simulations.deploy.local import run_config_args
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "agent.example.toml"
 

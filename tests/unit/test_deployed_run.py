@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from simulations import deployed_run
 from simulations.cli import main as cli_main
+from simulations.deploy import run as deployed_run
 
 APP = Path(__file__).resolve().parents[2]
 

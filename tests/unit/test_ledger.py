@@ -19,27 +19,11 @@ import numpy as np
 import pytest
 
 from client_agent.ledger import SCHEMA_VERSION, Ledger, LedgerConfig, LedgerError
+from tests.factories import LEDGER_UNITS as N_UNITS
+from tests.factories import fresh_ledger_state as fresh_state
+from tests.factories import ledger_config as make_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-N_UNITS = 5
-
-
-def make_config(**overrides: Any) -> LedgerConfig:
-    fields: dict[str, Any] = {
-        "filter": "gdp",
-        "epsilon": 3.0,
-        "delta": 1e-5,
-        "unit": "record",
-        "trust": "local",
-        "n_units": N_UNITS,
-        "params": {"threshold": 1.25, "monitor_reserve": 0.05, "data_fingerprint": "abc123"},
-    }
-    fields.update(overrides)
-    return LedgerConfig(**fields)
-
-
-def fresh_state() -> dict[str, np.ndarray]:
-    return {"spent": np.zeros(N_UNITS), "stopped": np.zeros(N_UNITS, dtype=bool)}
 
 
 def digest(text: str) -> str:

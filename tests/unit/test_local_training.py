@@ -18,40 +18,28 @@ import torch
 
 import client_agent.workloads as workloads
 from client_agent.agent import Agent
-from client_agent.config import AgentConfigError, Policy, parse_agent_config
+from client_agent.config import AgentConfigError, Policy
 from client_agent.local_training import local_update
 from coordinator.config import CoordinatorConfig, CoordinatorConfigError
 from coordinator.rounds import run
 from coordinator.transport import Payload, RoundReplies
 from protocol import messages as wire
 from protocol.models import build_model, flatten_parameters, load_flat_parameters
+from tests.factories import N_PARAMS, build_agent, client_data, gradient_request, gradient_run, status
 
-MODEL_ARGS = json.dumps({"in_features": 3, "n_classes": 2})
-N_PARAMS = 3 * 2 + 2
 LOCAL = {"local_steps": 3, "local_lr": 0.5, "local_batch_size": 4}
-
-
-def client_data(n: int = 10, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    x = np.random.default_rng(seed).normal(size=(n, 3)).astype(np.float32)
-    return x, (x[:, 0] > 0).astype(np.int64)
+# What every agent here is: one client unit in central trust, with a policy and seeded noise.
+CLIENT = {
+    "unit": "client",
+    "trust": "central",
+    "policy-min-noise-std": 1.0,
+    "policy-max-model-params": 100,
+    "noise-seed": 3,
+}
 
 
 def make_agent(tmp_path: Path, data: tuple[np.ndarray, np.ndarray] | None = None, **overrides: Any) -> Agent:
-    x, y = data if data is not None else client_data()
-    np.savez(tmp_path / "data.npz", x=x, y=y)
-    node_config: dict[str, Any] = {
-        "ledger-path": str(tmp_path / "ledger.sqlite"),
-        "data-path": str(tmp_path / "data.npz"),
-        "epsilon": 1.0,
-        "delta": 1e-5,
-        "unit": "client",
-        "trust": "central",
-        "policy-min-noise-std": 1.0,
-        "policy-max-model-params": 100,
-        "noise-seed": 3,
-    }
-    node_config.update(overrides)
-    return Agent(parse_agent_config(node_config, simulation=True))
+    return build_agent(tmp_path, data, **(CLIENT | overrides))
 
 
 def start_params(seed: int = 1) -> np.ndarray:
@@ -59,21 +47,8 @@ def start_params(seed: int = 1) -> np.ndarray:
 
 
 def request(request_id: str = "r1", **fields: Any) -> wire.GradientRequest:
-    base: dict[str, Any] = dict(
-        request_id=request_id,
-        run_id="run",
-        round=1,
-        noise_std=2.0,
-        l2_clip=1.0,
-        trust="central",
-        unit="client",
-        model="logreg",
-        model_args=MODEL_ARGS,
-        parameters=start_params(),
-        **LOCAL,
-    )
-    base.update(fields)
-    return wire.GradientRequest(**base)
+    base: dict[str, Any] = dict(trust="central", unit="client", parameters=start_params(), **LOCAL)
+    return gradient_request(request_id, **(base | fields))
 
 
 # --- wire -------------------------------------------------------------------------------------
@@ -102,12 +77,12 @@ def test_wire_round_trip_and_old_messages_unchanged() -> None:
         ({"local_lr": float("nan")}, r"'local_lr' must be a finite number > 0, got nan"),
         ({"local_lr": float("inf")}, r"'local_lr' must be a finite number > 0, got inf"),
         ({"local_lr": "0.1"}, r"'local_lr' must be a number, got '0.1'"),
-        ({"local_steps": wire.MAX_WIRE_INT + 1}, r"'local_steps' must be in \[1, 9007199254740992\]"),
-        ({"local_steps": 0}, r"'local_steps' must be in \[1, "),  # 0 is written by leaving the keys out
-        ({"local_steps": True}, r"'local_steps' must be an integer, got True"),
-        ({"local_steps": 2.0}, r"'local_steps' must be an integer, got 2.0"),
-        ({"local_batch_size": 0}, r"'local_batch_size' must be in \[1, "),
-        ({"local_batch_size": wire.MAX_WIRE_INT + 1}, r"'local_batch_size' must be in \[1, "),
+        ({"local_steps": wire.MAX_WIRE_INT + 1}, r"'local_steps': expected an integer in \[1, 9007199254740992\]"),
+        ({"local_steps": 0}, r"'local_steps': expected .*got 0$"),  # 0 is written by leaving the keys out
+        ({"local_steps": True}, r"'local_steps': expected an integer in \[1, .*got True \(bool\)"),
+        ({"local_steps": 2.0}, r"'local_steps': expected an integer in \[1, .*got 2.0 \(float\)"),
+        ({"local_batch_size": 0}, r"'local_batch_size': expected an integer in \[1, .*got 0$"),
+        ({"local_batch_size": wire.MAX_WIRE_INT + 1}, r"'local_batch_size': expected an integer in \[1, "),
         ({"local_lr": None}, r"missing key 'local_lr'"),
         ({"local_batch_size": None}, r"missing key 'local_batch_size'"),
         ({"local_steps": None}, r"given without 'local_steps'"),
@@ -307,24 +282,8 @@ def test_a_stopped_client_runs_the_same_steps(tmp_path: Path, monkeypatch: pytes
 
 
 def coordinator(**over: Any) -> CoordinatorConfig:
-    base: dict[str, Any] = dict(
-        num_nodes=2,
-        n_public=2,
-        rounds=1,
-        noise_std=2.0,
-        l2_clip=1.0,
-        trust="central",
-        unit="client",
-        model="logreg",
-        model_args=MODEL_ARGS,
-        noise_seed=11,
-        progress=False,
-        local_steps=4,
-        local_lr=0.1,
-        local_batch_size=8,
-        server_lr=0.5,
-    )
-    return CoordinatorConfig(**(base | over))
+    local = dict(local_steps=4, local_lr=0.1, local_batch_size=8, server_lr=0.5)
+    return gradient_run(**(dict(num_nodes=2, n_public=2, unit="client", noise_seed=11, **local) | over))
 
 
 @pytest.mark.parametrize(
@@ -367,17 +326,8 @@ class Updates:
         out = RoundReplies()
         for node, (config, arrays) in payloads.items():
             if message_type == wire.STATUS:
-                ledger = {
-                    "filter": "gdp",
-                    "epsilon": 2.0,
-                    "delta": 1e-5,
-                    "unit": "client",
-                    "trust": "central",
-                    "n_units": 1,
-                    "params": {"monitor": {"kind": "none"}},
-                }
-                status = json.dumps({"ledger": ledger, "policy": {}})
-                out.replies[node] = wire.StatusReply(config["request_id"], status).encode()
+                description = status(trust="central", unit="client", n_units=1)
+                out.replies[node] = wire.StatusReply(config["request_id"], description).encode()
                 continue
             self.sent.append((dict(config), dict(arrays)))
             if node == 1:  # one client answers; the other does not: the divisor stays n = 2

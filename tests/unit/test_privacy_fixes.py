@@ -21,8 +21,9 @@ from coordinator.secagg import SecaggSettings, secagg_release
 from protocol import messages as wire
 from protocol.filters import FilterState, GaussianFilter, charge
 from protocol.validate import PrivacyParameterError
+from tests.factories import count_request
 from tests.unit.test_agent import gradient, ledger_snapshot, make_agent
-from tests.unit.test_secagg_session import SIGMA, AgentTransport, agents, count_request
+from tests.unit.test_secagg_session import SIGMA, AgentTransport, agents
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -196,7 +197,7 @@ def run_count_session(group: dict[int, Agent], scale_bits: int) -> Any:
         nodes=sorted(group),
         settings=SecaggSettings(min_clients=2, scale_bits=scale_bits),
         kind=wire.INDICATOR,
-        build=lambda node, s: count_request(node, s),
+        build=lambda node, s: count_request(s, node=node),
         size=1,
         noise_std=SIGMA,
         timeout=1.0,

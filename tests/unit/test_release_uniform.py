@@ -14,8 +14,8 @@ code:
 - the sequence of torch operators with their argument shapes and dtypes (a ``TorchDispatchMode``
   log, backward included): record-unit gradients are streamed in one fused pass per chunk
   (client_agent.streaming.fused_clipped_sum, run inside ``Agent.release``: forward, backward to
-  the layers' outputs, norms, the filter's weights for the chunk, the weighted parameter gradients
-  from the same activations and backprops), and a pass that skipped stopped records, selected the
+  the layers' outputs, each layer's per-record rows and norms, the filter's weights, the weighted
+  sums of the same rows and outer products), and a pass that skipped stopped records, selected the
   admitted ones or branched per chunk would change the operators or their shapes. Torch's own
   allocations are not seen by ``tracemalloc``; the shapes of every operator's arguments bound
   them instead. Beyond the agent's logistic regression, the fused pass is traced directly on every
@@ -39,51 +39,33 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from client_agent.agent import Agent
-from client_agent.config import parse_agent_config
 from protocol import messages as wire
+from tests.factories import build_agent, client_data, gradient_request
 
-MODEL_ARGS = '{"in_features": 100, "n_classes": 2}'
 ROOT = Path(__file__).resolve().parents[2]
 OWN = tuple(str(ROOT / pkg) for pkg in ("client_agent", "protocol"))
 N, FEATURES = 400, 100  # rows of d = 202 floats: one copy of them is 323 KB
+N_PARAMS = FEATURES * 2 + 2
 
 
 def make_agent(tmp_path: Path, x: np.ndarray, y: np.ndarray, **over: Any) -> Agent:
-    np.savez(tmp_path / "data.npz", x=x, y=y)
-    cfg = {
-        "ledger-path": str(tmp_path / "ledger.sqlite"),
-        "data-path": str(tmp_path / "data.npz"),
-        "epsilon": 1.0,
-        "delta": 1e-5,
-        "unit": "record",
-        "trust": "local",
-        "noise-seed": 1,
-    } | over
-    return Agent(parse_agent_config(cfg, simulation=True))
+    return build_agent(tmp_path, (x, y), **({"noise-seed": 1} | over))
 
 
 def data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(N, FEATURES)).astype(np.float32)
-    return x, (x[:, 0] > 0).astype(np.int64)
+    return client_data(N, FEATURES, seed=seed)
 
 
-def gradient_request(l2_clip: float = 0.5, noise_std: float = 1.0) -> wire.GradientRequest:
-    config, arrays = wire.encode_request(
-        wire.GradientRequest(
-            request_id="r1",
-            run_id="run",
-            round=1,
-            noise_std=noise_std,
-            l2_clip=l2_clip,
-            trust="local",
-            unit="record",
-            model="logreg",
-            model_args=MODEL_ARGS,
-            parameters=np.full(FEATURES * 2 + 2, 0.05, np.float32),
-        )
+def decoded_request(l2_clip: float = 0.5, noise_std: float = 1.0, **fields: Any) -> wire.GradientRequest:
+    """The gradient request as the agent sees it after decoding, at parameters 0.05 everywhere."""
+    built = gradient_request(
+        features=FEATURES,
+        noise_std=noise_std,
+        l2_clip=l2_clip,
+        parameters=np.full(N_PARAMS, 0.05, np.float32),
+        **fields,
     )
-    request = wire.decode_request(wire.GRADIENT, config, arrays)
+    request = wire.decode_request(wire.GRADIENT, *wire.encode_request(built))
     assert isinstance(request, wire.GradientRequest)
     return request
 
@@ -176,7 +158,7 @@ def test_release_work_does_not_depend_on_who_stopped(
     tmp_path: Path, filter_kind: str, l2_clip: float, noise_std: float
 ) -> None:
     agent = make_agent(tmp_path, *data(), filter=filter_kind)
-    request = gradient_request(l2_clip, noise_std)
+    request = decoded_request(l2_clip, noise_std)
     fresh = agent.ledger.state()
     assert agent.gaussian is not None
     threshold = agent.gaussian.threshold
@@ -196,7 +178,7 @@ def test_release_work_does_not_depend_on_who_stopped(
 
 def test_release_work_does_not_depend_on_unusable_records(tmp_path: Path) -> None:
     x, y = data()
-    request = gradient_request()
+    request = decoded_request()
     witnesses = []
     for case in ("usable", "label", "nonfinite"):
         xc, yc = x.copy(), y.copy()
@@ -224,22 +206,7 @@ def test_realisation_release_work_does_not_depend_on_acceptance(tmp_path: Path) 
         epsilon=5.0,
         **{"realisation-max-rounds": 8, "policy-max-clip": 1.0, "policy-min-noise-std": 1.0},
     )
-    config, arrays = wire.encode_request(
-        wire.GradientRequest(
-            "r1",
-            "run",
-            1,
-            1.0,
-            0.5,
-            "local",
-            "client",
-            "logreg",
-            MODEL_ARGS,
-            np.full(FEATURES * 2 + 2, 0.05, np.float32),
-        )
-    )
-    request = wire.decode_request(wire.GRADIENT, config, arrays)
-    assert isinstance(request, wire.GradientRequest)
+    request = decoded_request(unit="client")
     fresh = agent.ledger.state()
     stopped = fresh | {"accepting": np.zeros(1, dtype=np.bool_), "loss": np.array([3.0])}
     assert_same_work(release_witness(agent, fresh, request), release_witness(agent, stopped, request))
@@ -330,13 +297,13 @@ def _fused_models() -> dict[str, tuple[torch.nn.Module, np.ndarray]]:
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     convs = torch.nn.Sequential(
-        torch.nn.Conv2d(1, 4, 3, padding=1),  # explicit
+        torch.nn.Conv2d(1, 4, 3, padding=1),
         torch.nn.GroupNorm(2, 4),
         torch.nn.ReLU(),
-        torch.nn.Conv2d(4, 16, 3, stride=2),  # L = 1: Gram
+        torch.nn.Conv2d(4, 16, 3, stride=2),  # one output position
         torch.nn.Flatten(),
         torch.nn.Unflatten(1, (4, 4)),
-        torch.nn.Conv1d(4, 4, 2),  # explicit
+        torch.nn.Conv1d(4, 4, 2),
         torch.nn.Flatten(),
         torch.nn.Linear(12, 4),
         _Scale(),
@@ -379,11 +346,29 @@ def test_op_witness_sees_a_fused_pass_that_skips_stopped_records(monkeypatch: py
     model, x = _fused_models()["convs"]
     none, half = np.zeros(len(x), dtype=np.bool_), np.arange(len(x)) % 2 == 0
     assert torch_ops(_fused_run(model, x, none)) == torch_ops(_fused_run(model, x, half))
-    real = streaming._layer_sum
+    real = streaming._outer_sum
 
     def skipping(m: torch.nn.Module, a: torch.Tensor, g: torch.Tensor, w: torch.Tensor, keep: torch.Tensor) -> Any:
         idx = torch.nonzero(keep).reshape(-1)  # a branch on who is admitted: select them
         return real(m, a[idx], g[idx], w[idx], keep[idx])
 
-    monkeypatch.setattr(streaming, "_layer_sum", skipping)
+    monkeypatch.setattr(streaming, "_outer_sum", skipping)
+    assert torch_ops(_fused_run(model, x, none)) != torch_ops(_fused_run(model, x, half))
+
+
+def test_op_witness_sees_a_rows_sum_that_skips_stopped_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same power over the per-record rows (convolutions, GroupNorm, a custom leaf): summing only the
+    admitted records' rows is caught."""
+    from client_agent import streaming
+
+    model, x = _fused_models()["convs"]
+    none, half = np.zeros(len(x), dtype=np.bool_), np.arange(len(x)) % 2 == 0
+    real = streaming._Rows.add
+
+    def skipping(self: Any, wk: torch.Tensor, keep: torch.Tensor, view: Callable[[str], torch.Tensor]) -> None:
+        idx = torch.nonzero(keep).reshape(-1)  # a branch on who is admitted: select them
+        picked = streaming._Rows({k: t[idx] for k, t in self.tensors.items()}, self.to_param, self.index)
+        real(picked, wk[idx], keep[idx], view)
+
+    monkeypatch.setattr(streaming._Rows, "add", skipping)
     assert torch_ops(_fused_run(model, x, none)) != torch_ops(_fused_run(model, x, half))

@@ -28,15 +28,13 @@ from protocol.comparisons import (
 )
 from protocol.realisation import RealisationFilter, RealisationState, advance, decide
 from simulations.cli import main
-from simulations.reproductions import (
+from simulations.reproductions.fz_sec43 import NOISE_STDS, PURE_EPSILONS, comparison_tables
+from simulations.reproductions.tvc_fig2 import (
     DKW_ALPHA,
-    NOISE_STDS,
-    PURE_EPSILONS,
     TVC_DELTA,
     TVC_EPSILON,
     TVC_MAX_ROUNDS,
     TVC_NOISE_STD,
-    comparison_tables,
     dkw_radius,
     mechanism_rounds,
     realisation_stopping_times,

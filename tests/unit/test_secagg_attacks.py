@@ -36,12 +36,6 @@ from tests.adversarial_secagg import (
 
 
 @pytest.fixture
-def no_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The noise share patched to zero: a recovered input is then the target's exact count."""
-    monkeypatch.setattr(sa, "rounded_gaussian", lambda rng, *, noise_std, scale_bits, size: np.zeros(size, np.int64))
-
-
-@pytest.fixture
 def previous_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     """The control: the clients' acceptance rules before the active-adversary checks (those three off)."""
     monkeypatch.setattr(sa.Roster, "authenticate", lambda self, trusted: None)

@@ -13,19 +13,12 @@ from client_agent.config import AgentConfigError, parse_agent_config
 from client_agent.identity import load_identity, load_peers, write_identity, write_peers
 from protocol import secagg as sa
 from simulations.cli import main as cli_main
-from simulations.deploy import check_agent_file, write_agent_toml
+from simulations.deploy.agent_files import check_agent_file, write_agent_toml
+from tests.factories import node_config
 
 
 def base(tmp_path: Path) -> dict[str, object]:
-    np.savez(tmp_path / "data.npz", x=np.zeros((4, 3), np.float32), y=np.zeros(4, np.int64))
-    return {
-        "ledger-path": str(tmp_path / "ledger.sqlite"),
-        "data-path": str(tmp_path / "data.npz"),
-        "epsilon": 1.0,
-        "delta": 1e-5,
-        "unit": "client",
-        "trust": "secagg",
-    }
+    return node_config(tmp_path, (np.zeros((4, 3), np.float32), np.zeros(4, np.int64)), unit="client", trust="secagg")
 
 
 def test_secagg_trust_requires_the_identity_and_the_peers(tmp_path: Path) -> None:

@@ -28,27 +28,20 @@ from coordinator.secagg import SecaggSettings, default_min_clients, secagg_relea
 from coordinator.transport import Payload, RoundReplies
 from protocol import messages as wire
 from protocol import secagg as sa
-from simulations.federation import secagg_identities
+from tests.factories import (
+    COUNT_CLIP,
+    COUNT_NOISE_STD,
+    count_request,
+    gradient_run,
+    secagg_agents,
+    secagg_node_config,
+)
 
-SIGMA, CLIP, BITS = 10.0, 100.0, 24
+SIGMA, CLIP, BITS = COUNT_NOISE_STD, COUNT_CLIP, 24
 
 
 def node_config(tmp_path: Path, i: int, **over: Any) -> dict[str, Any]:
-    rng = np.random.default_rng(i)
-    x = rng.normal(size=(10, 3)).astype(np.float32)
-    y = rng.integers(0, 2, 10)
-    np.savez(tmp_path / f"data{i}.npz", x=x, y=y)
-    cfg = {
-        "ledger-path": str(tmp_path / f"ledger{i}.sqlite"),
-        "data-path": str(tmp_path / f"data{i}.npz"),
-        "epsilon": 20.0,
-        "delta": 1e-5,
-        "unit": "client",
-        "trust": "secagg",
-        "noise-seed": 100 + i,
-        **secagg_identities(tmp_path / "identities", max(8, i + 1))[i],
-    }
-    return cfg | over
+    return secagg_node_config(tmp_path, i, peers=max(8, i + 1), **over)
 
 
 class AgentTransport:
@@ -81,31 +74,13 @@ class AgentTransport:
         return out
 
 
-@pytest.fixture
-def no_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The noise share patched to zero, so the decoded sum is the plain sum of the encoded contributions."""
-    monkeypatch.setattr(sa, "rounded_gaussian", lambda rng, *, noise_std, scale_bits, size: np.zeros(size, np.int64))
-
-
 def agents(tmp_path: Path, n: int, **over: Any) -> dict[int, Agent]:
-    return {1000 + i: Agent(parse_agent_config(node_config(tmp_path, i, **over), simulation=True)) for i in range(n)}
+    return secagg_agents(tmp_path, n, peers=max(8, n), **over)
 
 
 def gradient_config(nodes: int, **over: Any) -> CoordinatorConfig:
     """A secagg gradient run on the agents' 3-feature logistic regression, 10 records per client."""
-    base: dict[str, Any] = dict(
-        num_nodes=nodes,
-        n_public=10 * nodes,
-        rounds=2,
-        noise_std=2.0,
-        l2_clip=1.0,
-        trust="secagg",
-        unit="record",
-        model="logreg",
-        model_args=json.dumps({"in_features": 3, "n_classes": 2}),
-        progress=False,
-    )
-    return CoordinatorConfig(**(base | over))
+    return gradient_run(**(dict(num_nodes=nodes, n_public=10 * nodes, rounds=2, trust="secagg", unit="record") | over))
 
 
 def count_config(nodes: int, **over: Any) -> CoordinatorConfig:
@@ -127,24 +102,6 @@ def label_count(agent: Agent) -> float:
     return float(np.sum(agent.y == 1))
 
 
-def count_request(
-    node: int, secagg: wire.SecaggInput | None, *, rnd: int = 1, run_id: str = "run"
-) -> wire.IndicatorRequest:
-    return wire.IndicatorRequest(
-        f"{run_id}:indicator:r{rnd}:n{node}",
-        run_id,
-        rnd,
-        noise_std=SIGMA,
-        l2_clip=CLIP,
-        trust="secagg",
-        unit="client",
-        predicate="label",
-        column=0,
-        value=1.0,
-        secagg=secagg,
-    )
-
-
 def session(transport: AgentTransport, m: int, *, rnd: int = 1, run_id: str = "run") -> Any:
     return secagg_release(
         transport,
@@ -154,7 +111,7 @@ def session(transport: AgentTransport, m: int, *, rnd: int = 1, run_id: str = "r
         nodes=sorted(transport.agents),
         settings=SecaggSettings(min_clients=m, scale_bits=BITS),
         kind=wire.INDICATOR,
-        build=lambda node, s: count_request(node, s, rnd=rnd, run_id=run_id),
+        build=lambda node, s: count_request(s, node=node, rnd=rnd, run_id=run_id),
         size=1,
         noise_std=SIGMA,
         timeout=1.0,
@@ -262,12 +219,12 @@ def test_one_masked_input_and_one_unmask_answer_per_session_even_after_a_restart
 def test_steps_out_of_order_or_from_another_run_are_refused(tmp_path: Path) -> None:
     group = agents(tmp_path, 3)
     agent = group[1000]
-    fp = wire.session_fingerprint(count_request(1000, None), BITS)
+    fp = wire.session_fingerprint(count_request(None, node=1000), BITS)
     keys = agent.handle(wire.SECAGG_KEYS, *wire.encode_request(wire.SecaggKeysRequest("s1", "run", 1, "secagg", fp)))
     assert not keys.is_error and keys.config is not None
     zeros = np.zeros((3, sa.CIPHERTEXT_BYTES), np.uint8)
     ghost = wire.SecaggInput("s1", BITS, sa.value_bound_for(3), np.arange(3, dtype=np.int64), zeros)
-    early = agent.handle(wire.INDICATOR, *wire.encode_request(count_request(1000, ghost)))
+    early = agent.handle(wire.INDICATOR, *wire.encode_request(count_request(ghost, node=1000)))
     assert early.error_code == wire.ERR_MALFORMED and "step 2 (shares) was not answered" in early.local_detail
     unknown = wire.SecaggUnmaskRequest("u", "run", 1, "secagg", "nope", np.arange(3, dtype=np.int64))
     refused = agent.handle(wire.SECAGG_UNMASK, *wire.encode_request(unknown))
@@ -345,7 +302,9 @@ def test_local_trust_clients_and_low_thresholds_are_refused(tmp_path: Path) -> N
     keys = local.handle(
         wire.SECAGG_KEYS,
         *wire.encode_request(
-            wire.SecaggKeysRequest("s", "run", 1, "secagg", wire.session_fingerprint(count_request(1000, None), BITS))
+            wire.SecaggKeysRequest(
+                "s", "run", 1, "secagg", wire.session_fingerprint(count_request(None, node=1000), BITS)
+            )
         ),
     )
     assert keys.error_code == wire.ERR_POLICY
@@ -461,7 +420,7 @@ def test_enrolment_needs_m_clients(tmp_path: Path) -> None:
 def test_wire_refuses_malformed_secagg_fields() -> None:
     peers = np.arange(3, dtype=np.int64)
     good = wire.SecaggInput("s", BITS, sa.value_bound_for(3), peers, np.zeros((3, sa.CIPHERTEXT_BYTES), np.uint8))
-    config, arrays = wire.encode_request(count_request(1, good))
+    config, arrays = wire.encode_request(count_request(good, node=1))
     decoded = wire.decode_request(wire.INDICATOR, config, arrays)
     assert isinstance(decoded, wire.IndicatorRequest) and decoded.secagg is not None
     assert decoded.secagg.session == "s" and decoded.secagg.peers.tolist() == [0, 1, 2]
@@ -581,7 +540,7 @@ def test_two_sessions_never_reuse_a_noise_share_even_under_one_request_id(
             nodes=sorted(transport.agents),
             settings=SecaggSettings(min_clients=2, scale_bits=BITS),
             kind=wire.INDICATOR,
-            build=lambda node, s: count_request(node, s),
+            build=lambda node, s: count_request(s, node=node),
             size=1,
             noise_std=SIGMA,
             timeout=1.0,

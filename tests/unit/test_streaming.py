@@ -1,8 +1,9 @@
 """The streaming per-record gradient engine against the slow materialising path (client_agent.gradients).
 
-Each fast path (ghost norms for Linear on 2-D and sequence inputs, Conv1d/Conv2d by Gram and
-explicitly, Embedding; the torch.func path for LayerNorm, GroupNorm and a custom leaf; the
-whole-model fallback) is checked against ``per_example_gradients`` (vmap(grad), one row per
+Each path of the hooks (outer products for Linear on 2-D inputs; per-record rows for Linear on
+sequences, Conv1d/Conv2d with strides, dilations and padding, Embedding with repeated tokens and a
+padding index; the torch.func rows for LayerNorm, GroupNorm and a custom leaf; the whole-model
+fallback) is checked against ``per_example_gradients`` (vmap(grad), one row per
 record): norms and clipped sums to 1e-5 relative, and the observed norm error far below the
 declared NORM_REL_ERROR. The fused pass (``fused_clipped_sum``: norms, weights and the weighted sum
 from one forward and one backward) is checked on every case against the same loop and against the
@@ -55,35 +56,34 @@ class Affine(nn.Module):
 
 
 class Tokens(nn.Module):
-    """Embedding -> sequence Linear (Gram and explicit) -> LayerNorm -> mean over positions -> Linear."""
+    """Embedding -> sequence Linear -> LayerNorm -> mean over positions -> Linear."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.emb = nn.Embedding(20, 8, padding_idx=1)  # T = 12: 144 <= 160, the Gram
-        self.emb_small = nn.Embedding(5, 4)  # 144 > 20: the explicit scatter
-        self.seq_gram = nn.Linear(12, 16)  # 144 <= 192
-        self.seq_explicit = nn.Linear(16, 4)  # 144 > 64
+        self.emb = nn.Embedding(20, 8, padding_idx=1)  # T = 12 positions, repeated tokens
+        self.emb_small = nn.Embedding(5, 4)
+        self.seq_a = nn.Linear(12, 16)
+        self.seq_b = nn.Linear(16, 4)
         self.norm = nn.LayerNorm(4)
         self.head = nn.Linear(4, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.cat([self.emb(x), self.emb_small(x % 5)], dim=-1)
-        h = self.norm(self.seq_explicit(torch.relu(self.seq_gram(h))))
+        h = self.norm(self.seq_b(torch.relu(self.seq_a(h))))
         return self.head(h.mean(dim=1))
 
 
 class Convs(nn.Module):
-    """Conv2d (explicit and Gram), GroupNorm, Conv1d, a custom leaf, Linear."""
+    """Conv2d, GroupNorm, Conv1d (strides, dilations, padding), a custom leaf, Linear."""
 
     def __init__(self) -> None:
         super().__init__()
-        # Gram when 2 L (C k + C_out) <= C_out C k (client_agent.streaming._conv_sq), else explicit.
-        self.c1 = nn.Conv2d(2, 8, 3, padding=1)  # L = 64: 2 * 64 * 26 > 144, explicit
+        self.c1 = nn.Conv2d(2, 8, 3, padding=1)
         self.gn = nn.GroupNorm(2, 8)
-        self.c2 = nn.Conv2d(8, 32, 3, stride=2)  # L = 9: 2 * 9 * 104 <= 2304, Gram
-        self.c3 = nn.Conv1d(32, 32, 3, stride=1, dilation=2, padding=1)  # L = 7: 2 * 7 * 128 <= 3072, Gram
-        self.c4 = nn.Conv1d(32, 2, 2, stride=2, dilation=2, padding=2)  # L = 5: 2 * 5 * 66 > 128, explicit
-        self.c5 = nn.Conv1d(32, 2, 2, dilation=3, padding=1)  # L = 6: 2 * 6 * 66 > 128, explicit
+        self.c2 = nn.Conv2d(8, 32, 3, stride=2)
+        self.c3 = nn.Conv1d(32, 32, 3, stride=1, dilation=2, padding=1)
+        self.c4 = nn.Conv1d(32, 2, 2, stride=2, dilation=2, padding=2)
+        self.c5 = nn.Conv1d(32, 2, 2, dilation=3, padding=1)
         self.act = Affine(2)
         self.head = nn.Linear(2 * (5 + 6), 3)
 
@@ -221,7 +221,8 @@ def test_the_fused_pass_does_not_depend_on_chunks_or_blocks(case: str, monkeypat
     weights = clipping_weights(0.1, np.arange(len(x)) % 3 == 0)
     base_n, base_s, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=len(x))
     for chunk, block in ((1, 1 << 19), (4, 1), (7, 1000)):
-        monkeypatch.setattr(streaming, "_BLOCK_FLOATS", block)  # 1: one record per block of the conv norms
+        monkeypatch.setattr(streaming, "_BLOCK_FLOATS", block)  # 1: one record per block of the conv rows
+        monkeypatch.setattr(streaming, "_EXPLICIT_FLOATS", block * 64)  # small: many blocks of rows a chunk
         n, total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=chunk)
         np.testing.assert_allclose(n, base_n, rtol=1e-6)
         assert rel(total, base_s) <= 1e-6
@@ -290,25 +291,15 @@ def test_the_fused_pass_refuses_a_non_finite_null_element_and_bad_weights() -> N
 
 def test_the_fused_release_charges_what_it_sums(tmp_path: Path) -> None:
     """Agent.release on streamed gradients (fused) against the same release on the materialised rows."""
-    from client_agent.agent import Agent
-    from client_agent.config import parse_agent_config
     from protocol import messages as wire
+    from tests.factories import build_agent
 
     rng = np.random.default_rng(4)
     n, features = 40, 6
     x = rng.normal(size=(n, features)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int64)
     x[7, 1], y[9] = np.nan, 5  # null records
-    np.savez(tmp_path / "data.npz", x=x, y=y)
-    cfg = {
-        "ledger-path": str(tmp_path / "ledger.sqlite"),
-        "data-path": str(tmp_path / "data.npz"),
-        "epsilon": 1.0,
-        "delta": 1e-5,
-        "unit": "record",
-        "trust": "central",
-    }
-    agent = Agent(parse_agent_config(cfg, simulation=True))
+    agent = build_agent(tmp_path, (x, y), trust="central")
     args = f'{{"in_features": {features}, "n_classes": 2}}'
     params = rng.normal(size=features * 2 + 2).astype(np.float32)
     request = wire.GradientRequest("r1", "run", 1, 0.4, 0.3, "central", "record", "logreg", args, params)
@@ -510,10 +501,12 @@ class _SequenceLinear(nn.Module):
         return self.lin(x)[..., 0]
 
 
-def test_the_agents_path_releases_no_more_than_it_charges_when_a_records_terms_cancel() -> None:
+@pytest.mark.parametrize("hooks", [True, False])
+def test_the_agents_path_releases_no_more_than_it_charges_when_a_records_terms_cancel(hooks: bool) -> None:
     """Review finding: a record whose per-position terms are 2^40, -(2^40 - 2^16), -(2^16 - 3) has gradient 3.
-    The ghost path's float64 norm (3) and float32 book-keeping sum disagreed by about 10^4, far beyond
-    NORM_REL_ERROR; the agent's path (ghost off: norm and contribution from one vmap(grad) row) agrees."""
+    The old ghost path's float64 Gram norm (3) and its float32 book-keeping sum disagreed by about 10^4,
+    far beyond NORM_REL_ERROR. Both methods now take the norm from the very values they sum (the hooks'
+    per-record rows, or the fallback's vmap(grad) row), so what is released is never above the charge."""
     big, step = 2.0**40, 2.0**16
     x = np.array([[[big], [-(big - step)], [-(step - 3)]]], dtype=np.float32)
     y = np.zeros(1, dtype=np.int64)
@@ -524,8 +517,8 @@ def test_the_agents_path_releases_no_more_than_it_charges_when_a_records_terms_c
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return out.sum(dim=1)
 
-    units = StreamedGradients(model, loss, ArraySource(x, y))
-    assert not units.ghost  # the default, and what gradient_contributions builds for the agent
+    units = StreamedGradients(model, loss, ArraySource(x, y), hooks=hooks)
+    assert StreamedGradients(model, loss, ArraySource(x, y)).hooks  # the default, what the agent builds
     clip = 1.0 / (1.0 + NORM_REL_ERROR)
 
     def weights(start: int, norms: np.ndarray) -> np.ndarray:
@@ -533,7 +526,7 @@ def test_the_agents_path_releases_no_more_than_it_charges_when_a_records_terms_c
 
     total = units.clipped_sum(weights)
     charged = units.charged_norms(units.norms(), weights(0, units.norms()))
-    assert units.method == "fallback"
+    assert units.method == ("hooks" if hooks else "fallback")
     assert np.linalg.norm(total) <= charged[0] * (1 + 1e-12)
 
 
@@ -566,3 +559,61 @@ def test_a_token_id_beyond_the_vocabulary_is_the_null_element_not_an_error() -> 
     units = StreamedGradients(model, LOSS, ArraySource(x.numpy(), y.numpy()), valid=valid)
     norms = units.norms()
     assert norms[1] == 0.0 and norms[0] > 0.0 and norms[2] > 0.0
+
+
+def test_the_method_is_chosen_on_synthetic_records_not_on_the_data() -> None:
+    """Review finding: the hooks were checked on the first chunk's real records, so a chunk whose records made
+    a hidden parameter's gradient vanish (here sin(0) = 0 for the borrowed weight) chose the fast method and
+    any other chunk the slow one: the timing told the coordinator something about the first records."""
+    model, x, y, _ = CASES["borrowed"]
+    zeros = np.zeros_like(x)
+    for data in (x, zeros, np.nan * zeros):  # real records, records that hide the borrowing, all null
+        assert record_norms(model, LOSS, ArraySource(data, y), chunk_size=5)[1] == "fallback"
+    for case in ("convs", "tokens"):
+        model, x, y, _ = CASES[case]
+        assert record_norms(model, LOSS, ArraySource(np.zeros_like(x), y), chunk_size=5)[1] == "hooks"
+
+
+class _LogLeaf(nn.Module):
+    """A custom leaf whose parameter gradient, log|a|, is infinite at a = 0."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.linspace(0.5, 1.5, k))
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return torch.log(a.abs()) * self.alpha
+
+
+def test_a_stopped_record_is_never_evaluated_at_a_zeroed_input() -> None:
+    """Review finding: the old book-keeping sum evaluated custom leaves at the stopped records' zeroed inputs,
+    where log|0| made the sum NaN: an error exactly when some record had stopped. Now every record's rows
+    come from its real input and a stopped record's rows are replaced by zeros."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(4, 3), _LogLeaf(3), nn.Linear(3, 2))
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(10, 4)).astype(np.float32), rng.integers(0, 2, 10)
+    stopped = np.arange(10) % 3 == 0
+    _, total, method = fused_clipped_sum(model, LOSS, ArraySource(x, y), clipping_weights(0.5, stopped))
+    assert method == "hooks" and np.isfinite(total).all()
+    keep = np.flatnonzero(~stopped)
+    rows = reference_rows(model, x[keep], y[keep])
+    w = np.minimum(1.0, 0.5 / rows.norm(dim=1).numpy())
+    assert rel(total, (rows * torch.from_numpy(w)[:, None]).sum(0).numpy()) <= 1e-5
+
+
+def test_validity_sees_the_sources_own_values_before_the_float32_conversion() -> None:
+    """Review finding: float64 labels were rounded to float32 before the validity rule, so 2.0000001 passed the
+    built-in classifier's 'integer label' check as class 2. The rule now sees the source's own values."""
+    from protocol.builtin_workload import BUILTIN
+
+    model = BUILTIN.build_model("logreg", seed=0, in_features=3, n_classes=3)
+    x = np.ones((4, 3), np.float32)
+    y = np.array([0.0, 2.0000001, 2.0, 1.0])  # float64: 2.0000001 is not an integer label
+    assert np.float32(y[1]) == 2.0  # what the old path saw
+
+    def valid(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return BUILTIN.valid(xb, yb, model)
+
+    norms = record_norms(model, BUILTIN.loss, ArraySource(x, y), valid=valid)[0]
+    assert norms[1] == 0.0 and np.all(np.delete(norms, 1) > 0)

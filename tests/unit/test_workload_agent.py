@@ -204,3 +204,38 @@ def test_enrolment_refuses_a_client_whose_model_has_another_parameter_layout(tmp
     object.__setattr__(agent, "workload", example.WORKLOAD)
     assert enrol(One(), cfg).units_enrolled == RECORDS  # the same build: enrolled
     agent.close()
+
+
+def test_the_activation_budget_sizes_chunks_and_refuses_a_model_too_wide_for_one_record(tmp_path: Path) -> None:
+    """Review finding: coordinator-chosen model_args (an MLP with a wide hidden layer) could make one chunk's
+    activations take gigabytes with few parameters. The agent measures the model's activations per record on
+    the meta device (no memory, no values read), sizes its chunks to policy-max-activation-mb, and refuses,
+    as policy and before any work or charge, a model one record of which exceeds it."""
+    from client_agent.streaming import StreamedGradients
+    from tests.factories import build_agent, client_data, gradient_request
+
+    features, wide = 8, 1 << 16  # one hidden layer of 65,536 units: 256 KiB of activations per record each way
+    args = json.dumps({"in_features": features, "hidden": [wide], "out_features": 2})
+    params = np.zeros(features * wide + wide + wide * 2 + 2, np.float32)
+    request = gradient_request(features=features, model="mlp", model_args=args, parameters=params)
+
+    agent = build_agent(tmp_path, client_data(40, features), **{"policy-max-activation-mb": 16})
+    units = agent.contributions(request)
+    assert isinstance(units, StreamedGradients)
+    assert 1 <= units.chunk_size < 1024  # sized to 16 MiB: about 2 x 256 KiB x 3 copies per record
+    per_record = 3 * 2 * wide * 4  # activations, backprops and captured inputs of the hidden layer (float32)
+    assert units.chunk_size <= (16 << 20) // per_record
+    out = agent.handle(wire.GRADIENT, *wire.encode_request(request))
+    assert not out.is_error
+    agent.close()
+
+    tight = tmp_path / "tight"
+    tight.mkdir()
+    agent = build_agent(tight, client_data(40, features), **{"policy-max-activation-mb": 1})
+    before = agent.ledger.state()["spent"].copy()
+    out = agent.handle(wire.GRADIENT, *wire.encode_request(request))
+    assert out.is_error and out.error_code == wire.ERR_POLICY
+    assert out.error_reason == wire.ERROR_TEXT[wire.ERR_POLICY]  # fixed text on the wire
+    assert "policy-max-activation-mb" in out.local_detail  # the detail stays in the client's log
+    np.testing.assert_array_equal(agent.ledger.state()["spent"], before)
+    agent.close()
