@@ -29,15 +29,15 @@ import numpy as np
 
 from coordinator.analysts import Analyst
 from coordinator.config import CoordinatorConfig
-from coordinator.enrolment import Enrolment, EnrolmentError, enrol
+from coordinator.enrolment import Enrolment, enrol
 from coordinator.monitor import Monitor, Verdict, build_monitor
 from coordinator.release import PlainRelease, Released, ReleaseStep
 from coordinator.report import Progress, RoundLog, RunWriter
 from coordinator.secagg import SecaggRelease
-from coordinator.tasks import TASKS, Evaluate, RoundContext, model_layout
+from coordinator.tasks import TASKS, Evaluate, RoundContext
 from coordinator.transport import Transport
 
-__all__ = ["Enrolment", "EnrolmentError", "Evaluate", "enrol", "model_layout", "noise_rng", "run"]
+__all__ = ["noise_rng", "run"]
 
 
 def noise_rng(cfg: CoordinatorConfig) -> np.random.Generator:

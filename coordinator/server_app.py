@@ -18,7 +18,8 @@ from flwr.serverapp import Grid, ServerApp
 from coordinator.analysts import Analyst
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import load_test_data, model_evaluator
-from coordinator.rounds import Evaluate, run
+from coordinator.rounds import run
+from coordinator.tasks import Evaluate
 from coordinator.transport import FlowerTransport
 
 logger = logging.getLogger(__name__)

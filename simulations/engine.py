@@ -10,8 +10,8 @@ from typing import Any
 from client_agent.direct import build_client_app, simulation_node_config
 from coordinator.analysts import Analyst
 from coordinator.config import CoordinatorConfig
-from coordinator.rounds import Evaluate
 from coordinator.server_app import build_server_app
+from coordinator.tasks import Evaluate
 from simulations.errors import SimulationError
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")

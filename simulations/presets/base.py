@@ -21,7 +21,7 @@ from protocol.filters import GaussianFilter
 from simulations.federation import write_clients
 
 if TYPE_CHECKING:
-    from coordinator.rounds import Evaluate
+    from coordinator.tasks import Evaluate
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from coordinator.config import CoordinatorConfig, CoordinatorConfigError
-from coordinator.rounds import EnrolmentError, noise_rng, run
+from coordinator.enrolment import EnrolmentError
+from coordinator.rounds import noise_rng, run
 from coordinator.transport import Payload, RoundReplies
 from protocol import messages as wire
 from protocol.models import build_model, flatten_parameters

@@ -23,7 +23,8 @@ from client_agent.ledger import LedgerError
 from client_agent.ledger_report import verify_ledger
 from coordinator.analysts import Query
 from coordinator.config import CoordinatorConfig, CoordinatorConfigError
-from coordinator.rounds import EnrolmentError, run
+from coordinator.enrolment import EnrolmentError
+from coordinator.rounds import run
 from coordinator.secagg import SecaggSettings, default_min_clients, secagg_release
 from coordinator.transport import Payload, RoundReplies
 from protocol import messages as wire

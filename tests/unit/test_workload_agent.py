@@ -14,7 +14,7 @@ from client_agent.agent import Agent
 from client_agent.config import parse_agent_config
 from client_agent.direct import answer_request
 from coordinator.config import CoordinatorConfig
-from coordinator.rounds import EnrolmentError, enrol
+from coordinator.enrolment import EnrolmentError, enrol
 from examples.gn_regression import workload as example
 from protocol import messages as wire
 from protocol.models import flatten_parameters
