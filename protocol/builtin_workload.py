@@ -48,7 +48,8 @@ def classification_records(x: torch.Tensor, y: torch.Tensor, model: nn.Module | 
     return ok & whole & (labels >= 0) & (labels < classes)
 
 
-# MNIST's customary per-pixel mean and std (of x / 255): the built-in models take standardised images.
+# MNIST's customary per-pixel mean and std (of x / 255): the built-in models take standardised images
+# (the simulations' datasets use the same pair, simulations.datasets.idx.NORMALISATION; a test checks).
 MNIST_NORMALISATION = (0.1307, 0.3081)
 
 

@@ -152,6 +152,9 @@ def test_idx_normalise_gives_standardised_float_images_that_the_builtin_cnn_take
     _idx(tmp_path / "train-labels-idx1-ubyte", labels, gz=False)
     source = BUILTIN.open_data(img)
     x, y = _collect(source, 3)
+    from simulations.datasets.idx import NORMALISATION
+
+    assert MNIST_NORMALISATION == NORMALISATION["mnist"]  # the agent and the simulations standardise alike
     mean, std = MNIST_NORMALISATION
     want = ((images.astype(np.float32) / np.float32(255.0) - np.float32(mean)) / np.float32(std))[:, None]
     assert x.dtype == np.float32 and x.shape == (7, 1, 28, 28)
