@@ -82,7 +82,8 @@ NORM_REL_ERROR = 1e-4
 # Floats per sub-batch for the explicit per-record paths (torch.func leaves, the whole-model
 # fallback): 2^25 floats is 128 MiB in float32, 256 MiB in float64.
 _EXPLICIT_FLOATS = 1 << 25
-_SUM_RECORDS = 64  # records per float32 partial sum of rows (relative error at most gamma_64, about 3.8e-6)
+_SYNTHETIC = 3  # records in the data-independent batch that chooses the method
+_SUM_RECORDS = 64  # records of rows converted to float64 at a time for the weighted sum
 _BLOCK_ROWS = 256  # rows per block for materialised rows: float64 temporaries of a few MB
 # Floats per block of records for the convolutions' norms (patches and per-record gradients of a
 # block): 2^19 floats is 2 MiB in float32, about what stays in a core's cache.
@@ -232,20 +233,22 @@ class _Rows:
         """view(name) += sum_i wk_i rows_i; a record outside ``keep`` enters as exact zeros.
 
         The rows are zeroed in place outside ``keep`` (the same masked fill on every record: a
-        non-finite row times 0 would be NaN), multiplied by float32 weights and summed in float32
-        within runs of :data:`_SUM_RECORDS` records, the runs accumulated in float64.
+        non-finite row times 0 would be NaN), then summed weighted in float64, a run of
+        :data:`_SUM_RECORDS` records converted at a time (small enough to stay in cache): each
+        product is exact to float64 rounding, and including or leaving out a record changes the
+        rounding of the others' sum by float64 amounts only (a float32 sum of a run would let it move
+        by about 2^-24 of the run's total, which a tiny record's charge does not cover).
         """
-        w32 = wk.to(torch.float32)
         for name, t in self.tensors.items():
             t.masked_fill_(~keep.reshape(-1, *([1] * (t.ndim - 1))), 0.0)
             if self.index is not None:
-                weighted = (t * w32.reshape(-1, *([1] * (t.ndim - 1)))).to(torch.float64)
+                weighted = t.to(torch.float64) * wk.reshape(-1, *([1] * (t.ndim - 1)))
                 view(name).index_add_(0, self.index.reshape(-1), weighted.reshape(-1, t.shape[-1]))
                 continue
             flat = t.reshape(t.shape[0], -1)
             summed = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
             for i in range(0, flat.shape[0], _SUM_RECORDS):
-                summed += torch.mv(flat[i : i + _SUM_RECORDS].t(), w32[i : i + _SUM_RECORDS])
+                summed += torch.mv(flat[i : i + _SUM_RECORDS].t().to(torch.float64), wk[i : i + _SUM_RECORDS])
             summed_shaped = summed.view(t.shape[1:])
             view(name).add_(self.to_param[name](summed_shaped) if name in self.to_param else summed_shaped)
 
@@ -386,20 +389,27 @@ def _embedding_supported(m: nn.Module) -> bool:
 
 def _embedding_rows(m: nn.Embedding, idx: torch.Tensor, g: torch.Tensor) -> _Rows:
     """Each record's embedding gradient as (T, dim) rows: at each token's first position, the sum of its
-    positions' backprops; zeros at its repeats (the padding index gets no gradient)."""
+    positions' backprops; zeros at its repeats (the padding index gets no gradient).
+
+    Per record, a stable sort of the ids groups each token's positions (the first of a group is
+    the token's first position), a scatter-add sums each group, and a scatter puts each sum back at
+    the first position: memory linear in T (a T x T equality matrix would take T^2 per record).
+    """
     b = idx.shape[0]
     idx2 = idx.reshape(b, -1)
-    t = idx2.shape[1]
-    g3 = g.reshape(b, t, -1)
+    g3 = g.reshape(b, idx2.shape[1], -1)
     if m.padding_idx is not None:
         g3 = torch.where((idx2 != m.padding_idx).unsqueeze(-1), g3, torch.zeros((), dtype=g3.dtype, device=g3.device))
-    earlier = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril(-1)  # [t, s]: s < t
-    rows = torch.empty_like(g3)
-    step = max(1, _EXPLICIT_FLOATS // (t * t))
-    for i in range(0, b, step):
-        same = idx2[i : i + step].unsqueeze(2) == idx2[i : i + step].unsqueeze(1)
-        first = ~(same & earlier).any(dim=2)
-        torch.bmm((same & first.unsqueeze(2)).to(g3.dtype), g3[i : i + step], out=rows[i : i + step])
+    ids, order = idx2.sort(dim=1, stable=True)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    group = (starts.cumsum(dim=1) - 1).unsqueeze(-1).expand_as(g3)
+    wide = order.unsqueeze(-1).expand_as(g3)
+    sums = torch.zeros_like(g3).scatter_add_(1, group, g3.gather(1, wide))
+    at_start = torch.where(
+        starts.unsqueeze(-1), sums.gather(1, group), torch.zeros((), dtype=g3.dtype, device=g3.device)
+    )
+    rows = torch.zeros_like(g3).scatter_(1, wide, at_start)
     return _Rows({"weight": rows}, index=idx2)
 
 
@@ -519,6 +529,10 @@ def _hooked_chunk(
     for _, (a, out, va, vo) in used:
         if a._version != va or out._version != vo:
             raise _Unsupported("a module's input or output is modified in place")
+        if a.ndim == 0 or out.ndim == 0 or a.shape[0] != x.shape[0] or out.shape[0] != x.shape[0]:
+            # An input shared by the batch (a learned offset on a constant, positional embeddings on
+            # arange(T)): its backprop sums every record's, so it has no per-record rows here.
+            raise _Unsupported("a module with parameters takes or gives other than one row per record")
     outs = [out for _, (_, out, _, _) in used]
     wanted = outs + (list(leaves.values()) if check else [])
     grads = torch.autograd.grad(total, wanted, allow_unused=True) if wanted else ()
@@ -569,28 +583,41 @@ def _checked_capture(
 ) -> _Capture | None:
     """Hooks on the model's leaf modules if they see every parameter's gradient, else None (the fallback).
 
-    Decided once per request on a data-independent batch (two records of seeded standard-normal
-    features, zeros for integer features, target 0, of the chunk's shapes), never on a record:
-    which method runs, and so how long it takes, says nothing about the data.
+    Decided once per request on a data-independent batch (:data:`_SYNTHETIC` records of seeded
+    standard-normal features, zeros for integer features, target 0, of the chunk's shapes), never
+    on a record: which method runs, and so how long it takes, says nothing about the data. The
+    hooks must see every parameter's gradient (against autograd's batch gradient), one row per
+    record at every module, and each record's norm must be its per-example gradient's (against
+    vmap(grad), relative 1e-3): a module that mixes records selects the fallback.
     """
     try:
         capture = _Capture(_hooked_modules(model))
     except _Unsupported:
         return None
-    shape = (2, *x.shape[1:])
+    shape = (_SYNTHETIC, *x.shape[1:])
     if x.is_floating_point():
         xs = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(x.device, x.dtype)
     else:
         xs = torch.zeros(shape, dtype=x.dtype, device=x.device)
-    ys = torch.zeros((2, *y.shape[1:]), dtype=y.dtype, device=y.device)
+    ys = torch.zeros((_SYNTHETIC, *y.shape[1:]), dtype=y.dtype, device=y.device)
     handles = [m.register_forward_hook(capture.hook, with_kwargs=True) for m in capture.modules]
+    ones = torch.ones(_SYNTHETIC, device=x.device)
     try:
-        _hooked_chunk(model, loss_fn, capture, leaves, buffers, xs, ys, torch.ones(2, device=x.device), check=True)
+        captured = _hooked_chunk(model, loss_fn, capture, leaves, buffers, xs, ys, ones, check=True)
+        sq = torch.zeros(_SYNTHETIC, dtype=torch.float64, device=x.device)
+        for m, a, g in captured:
+            sq += _outer_sq(cast(nn.Linear, m), a, g) if _is_outer(m, a) else _rows_of(m, a, g).sq(_SYNTHETIC, x.device)
     except _Unsupported:
         return None
     finally:
         for h in handles:
             h.remove()
+    # Each record's norm from the hooks must be its own (autograd's per-example gradient): a module
+    # that mixes records passes the batch-gradient check above but not this one.
+    want = torch.cat([part for _, _, part in _per_example_rows(model, loss_fn, xs, ys, ones)]).sqrt()
+    got = sq.sqrt()
+    if not bool((torch.abs(got - want) <= 1e-3 * want + 1e-30).all()):
+        return None
     return capture
 
 
@@ -894,13 +921,16 @@ def _check_null_element(
         raise NonFiniteSumError("the null element's gradient is not finite at these parameters")
 
 
-ACTIVATION_COPIES = 3  # a chunk holds its activations, their backprops and the captured inputs
+ACTIVATION_COPIES = 4  # a chunk holds its activations, their backprops, the captured inputs and float64 temporaries
 
 
 def activation_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> int | None:
-    """Bytes of every tensor the forward and the loss produce for the records ``x``, ``y``, measured on
-    the meta device (no memory is used, no value is read); None if the model cannot run there (a
-    forward that reads values, e.g. ``.item()`` or numpy)."""
+    """Bytes of the tensors (views not counted again) the forward and the loss produce for ``x``, ``y``.
+
+    Measured on the meta device (no memory is used, no value is read); a model that cannot run
+    there (a forward that reads values, e.g. ``.item()``) is measured on zeros of the same shapes
+    (data-independent); None if it cannot run on those either.
+    """
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
@@ -910,32 +940,36 @@ def activation_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and not t._is_view():
                     self.total += t.numel() * t.element_size()
             return out
 
-    meta = {name: torch.empty_like(t, device="meta") for name, t in [*model.named_parameters(), *model.named_buffers()]}
-    xm, ym = torch.empty_like(x, device="meta"), torch.empty_like(y, device="meta")
-    counter = Count()  # type: ignore[no-untyped-call]
-    try:
-        with torch.no_grad(), counter:
-            loss_fn(functional_call(model, meta, (xm,)), ym)
-    except Exception:  # any failure means: not measurable on the meta device
-        return None
-    return counter.total
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for device in ("meta", None):
+        state = {name: torch.empty_like(t, device="meta") if device else t.detach() for name, t in named}
+        xm = torch.empty_like(x, device="meta") if device else torch.zeros_like(x)
+        ym = torch.empty_like(y, device="meta") if device else torch.zeros_like(y)
+        counter = Count()  # type: ignore[no-untyped-call]
+        try:
+            with torch.no_grad(), counter:
+                loss_fn(functional_call(model, state, (xm,)), ym)
+        except Exception:  # any failure means: not measurable this way
+            continue
+        return counter.total
+    return None
 
 
 def chunk_for_budget(
     model: nn.Module, loss_fn: LossFn, source: RecordSource, *, budget_bytes: int, most: int = 1024
 ) -> int:
-    """The most records per chunk (at most ``most``) whose activations, backprops and captured inputs fit
-    ``budget_bytes``, from two records of the source's shapes measured on the meta device.
+    """The most records per chunk (at most ``most``) whose activations, backprops, captured inputs and
+    temporaries fit ``budget_bytes``, from two records of the source's shapes (:func:`activation_bytes`).
 
     The coordinator chooses the model and its arguments (e.g. a wide hidden layer repeated): the
     chunk shrinks to the owner's budget, and a model whose single record exceeds it is refused
     (:class:`client_agent.config.PolicyError`, before anything is computed or charged). The answer
-    depends on the model and the records' shapes only, never on their values. A model the meta
-    device cannot run gets ``most``.
+    depends on the model and the records' shapes only, never on their values. A model that cannot
+    be measured gets chunks of one record.
     """
     from client_agent.config import PolicyError
 
@@ -944,7 +978,7 @@ def chunk_for_budget(
     x2, y2 = x1[:1].expand(2, *x1.shape[1:]), y1[:1].expand(2, *y1.shape[1:])
     measured = activation_bytes(model, loss_fn, x2, y2)
     if measured is None:
-        return most
+        return 1
     per_record = max(1, ACTIVATION_COPIES * measured // 2)
     chunk = min(most, budget_bytes // per_record)
     if chunk < 1:

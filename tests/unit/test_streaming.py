@@ -617,3 +617,87 @@ def test_validity_sees_the_sources_own_values_before_the_float32_conversion() ->
 
     norms = record_norms(model, BUILTIN.loss, ArraySource(x, y), valid=valid)[0]
     assert norms[1] == 0.0 and np.all(np.delete(norms, 1) > 0)
+
+
+class _Offset(nn.Module):
+    """A learned offset through a Linear on a constant: its input is shared by the batch, not per record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 3)
+        self.offset = nn.Linear(1, 3)
+        self.register_buffer("one", torch.ones(1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + self.offset(self.one)
+
+
+class _Positional(nn.Module):
+    """Positional embeddings on arange(T): an input shared by the batch, of T rows."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        self.t = t
+        self.pos = nn.Embedding(t, 2)
+        self.head = nn.Linear(2 * t, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((x + self.pos(torch.arange(self.t))).flatten(1))
+
+
+@pytest.mark.parametrize("case", ["offset", "positional-3", "positional-4"])
+def test_a_module_whose_input_the_batch_shares_selects_the_fallback(case: str) -> None:
+    """Review finding: a module fed an input shared by the batch (a constant, arange(T)) got as backprop the sum
+    over every record, which the hooks broadcast to each record: a stopped record's data moved the released
+    sum (by 1.19 here) with no charge, and the batch-gradient check did not see it. The method check now
+    needs one row per record at every module and each record's own norm (against vmap(grad)) on the
+    synthetic batch; T = 3 equals that batch's size, so only the per-record norms can catch it."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    model: nn.Module
+    if case == "offset":
+        model, x = _Offset(), rng.normal(size=(6, 4)).astype(np.float32)
+    else:
+        t = int(case.split("-")[1])
+        model, x = _Positional(t), rng.normal(size=(6, t, 2)).astype(np.float32)
+    y = rng.integers(0, 3, 6)
+
+    def only_first(start: int, norms: np.ndarray) -> np.ndarray:
+        return np.where(np.arange(start, start + norms.size) == 0, 1.0, 0.0)
+
+    norms, total, method = fused_clipped_sum(model, LOSS, ArraySource(x, y), only_first, chunk_size=6)
+    assert method == "fallback"
+    x2 = x.copy()
+    x2[1] *= 50.0  # a stopped record (weight 0) changes
+    _, total2, _ = fused_clipped_sum(model, LOSS, ArraySource(x2, y), only_first, chunk_size=6)
+    assert np.array_equal(total, total2)
+    np.testing.assert_allclose(norms, reference_rows(model, x, y).norm(dim=1).numpy(), rtol=1e-5)
+
+
+def test_including_a_tiny_record_moves_the_sum_by_no_more_than_its_charge() -> None:
+    """Review finding: rows were summed in float32 runs of 64 records, so including one record changed the
+    rounding of the others' sum by about 2^-24 of the run's total: a record with a tiny gradient moved the
+    released sum 17% beyond its charge. The runs are now summed in float64."""
+    from examples.gn_regression.workload import WORKLOAD, make_records
+
+    torch.manual_seed(0)
+    model = WORKLOAD.build_model("gn_cnn", channels=8, outputs=2).eval()
+    x, y = make_records(64, seed=0)
+    with torch.no_grad():
+        out = model(torch.from_numpy(x)).numpy()
+    j = 63
+    with_j, without_j = np.ones(64), np.ones(64)
+    without_j[j] = 0.0
+
+    def weights(w: np.ndarray) -> Callable[[int, np.ndarray], np.ndarray]:
+        return lambda start, norms: w[start : start + norms.size]
+
+    for residual in (1e-5, 3e-7, 3e-8):
+        yy = y.copy()
+        yy[j] = out[j] + np.float32(residual)  # record j: a tiny residual, so a tiny gradient
+        source = ArraySource(x, yy)
+        norms, s1, method = fused_clipped_sum(model, WORKLOAD.loss, source, weights(with_j))
+        _, s0, _ = fused_clipped_sum(model, WORKLOAD.loss, source, weights(without_j))
+        assert method == "hooks"
+        charge = StreamedGradients.charged_norms(norms, with_j)[j]
+        assert np.linalg.norm(s1 - s0) <= charge
