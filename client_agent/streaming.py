@@ -973,6 +973,8 @@ def chunk_for_budget(
     """
     from client_agent.config import PolicyError
 
+    if len(source) == 0:
+        return most
     xb, yb = next(iter(source.batches(1)))
     x1, y1 = _as_tensor(xb), _as_tensor(yb)
     x2, y2 = x1[:1].expand(2, *x1.shape[1:]), y1[:1].expand(2, *y1.shape[1:])
