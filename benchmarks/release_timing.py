@@ -26,14 +26,15 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from client_agent.agent import Agent
 from client_agent.config import parse_agent_config
+from client_agent.state import AgentState
 from protocol import messages as wire
 
 FEATURES, CLASSES = 784, 10
@@ -85,15 +86,15 @@ def main() -> None:
     )
     request = wire.decode_request(wire.GRADIENT, config, arrays)
     assert isinstance(request, wire.GradientRequest)
-    fresh = agent.ledger.state()
+    fresh = AgentState.from_arrays(agent.ledger.state())
     assert agent.gaussian is not None
     threshold = agent.gaussian.threshold
 
-    def stopped_state(fraction: float) -> dict[str, Any]:
+    def stopped_state(fraction: float) -> AgentState:
         stopped = np.random.default_rng(1).random(args.records) < fraction
-        return fresh | {"spent": np.where(stopped, threshold, 0.0), "stopped": stopped}
+        return replace(fresh, spent=np.where(stopped, threshold, 0.0), stopped=stopped)
 
-    def step(a: Agent, state: dict[str, Any]) -> Callable[[], None]:
+    def step(a: Agent, state: AgentState) -> Callable[[], None]:
         def run() -> None:
             a.release(request, a.contributions(request), state)
 
@@ -103,7 +104,7 @@ def main() -> None:
     scenarios = {
         "half stopped": step(agent, stopped_state(0.5)),
         "all stopped": step(agent, stopped_state(1.0)),
-        "10% null": step(null_agent, null_agent.ledger.state()),
+        "10% null": step(null_agent, AgentState.from_arrays(null_agent.ledger.state())),
     }
     for fn in (baseline, *scenarios.values()):
         fn()  # warm-up

@@ -25,7 +25,7 @@ import logging
 import os
 import signal
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -37,6 +37,8 @@ from client_agent.config import AgentConfig, AgentConfigError, PolicyError
 from client_agent.data_sources import materialise
 from client_agent.identity import load_identity, load_peers
 from client_agent.ledger import Ledger, LedgerConfig, LedgerError
+from client_agent.records import GaussianRecord, MonitorRecord, RealisationRecord
+from client_agent.state import AgentState
 from client_agent.streaming import Contributions, RowContributions, StreamedGradients, contributions_of
 from protocol import messages as wire
 from protocol import secagg as sa
@@ -184,17 +186,17 @@ def _run_tag(run_id: str) -> int:
     return (_digest64(run_id) & ((1 << 63) - 1)) or 1
 
 
-def check_monotone(old: dict[str, NDArray[Any]], new: dict[str, NDArray[Any]]) -> None:
+def check_monotone(old: AgentState, new: AgentState) -> None:
     """Refuse to commit a state in which a spend went down or a stopped unit restarted (privacy.md §3, §9)."""
-    if "spent" in old and np.any(new["spent"] < old["spent"]):
+    if old.spent is not None and (new.spent is None or np.any(new.spent < old.spent)):
         raise LedgerError("new state: expected every unit's spend to stay or grow, found one that went down")
-    if "stopped" in old and np.any(old["stopped"] & ~new["stopped"]):
+    if old.stopped is not None and (new.stopped is None or np.any(old.stopped & ~new.stopped)):
         raise LedgerError("new state: expected stopped units to stay stopped, found one restarted")
-    if "accepting" in old and np.any(new["accepting"] & ~old["accepting"]):
+    if old.accepting is not None and (new.accepting is None or np.any(new.accepting & ~old.accepting)):
         raise LedgerError("new state: expected stopped units to stay stopped, found one accepting again")
-    if "monitor_run" in old and old["monitor_run"][0] != 0 and new["monitor_run"][0] != old["monitor_run"][0]:
+    if old.monitor_run != 0 and new.monitor_run != old.monitor_run:
         raise LedgerError("new state: expected the SVT reservation to stay with its run, found it moved")
-    if np.any((old["halt_round"] >= 0) & (new["halt_round"] != old["halt_round"])):
+    if np.any((old.halt_round >= 0) & (new.halt_round != old.halt_round)):
         raise LedgerError("new state: expected recorded halt rounds to stay as they were, found one changed")
 
 
@@ -225,19 +227,21 @@ class Agent:
             self.realisation: RealisationFilter | None = config.realisation_filter()
             self.gaussian = None
             described = self.realisation.describe()
-            initial = {
-                "loss": np.zeros(self.n_units),
-                "accepting": RealisationState.fresh(self.realisation, self.n_units).accepting,
-                "answered": np.zeros(1, dtype=np.int64),
-            }
+            initial = AgentState(
+                halt_round=np.full(self.n_units, -1, dtype=np.int64),
+                loss=np.zeros(self.n_units),
+                accepting=RealisationState.fresh(self.realisation, self.n_units).accepting,
+                answered=0,
+            )
         else:
             self.realisation = None
             self.gaussian = config.gaussian_filter()
             described = self.gaussian.describe()
-            initial = {"spent": np.zeros(self.n_units), "stopped": np.zeros(self.n_units, dtype=np.bool_)}
-        initial["halt_round"] = np.full(self.n_units, -1, dtype=np.int64)
-        initial["monitor_last"] = np.zeros(1, dtype=np.int64)
-        initial["monitor_run"] = np.zeros(1, dtype=np.int64)  # the run that owns the SVT (0: none yet)
+            initial = AgentState(
+                halt_round=np.full(self.n_units, -1, dtype=np.int64),
+                spent=np.zeros(self.n_units),
+                stopped=np.zeros(self.n_units, dtype=np.bool_),
+            )
         params: dict[str, Any] = {"filter": described, "monitor": config.monitor.describe(), "data_sha256": fingerprint}
         if config.noise_seed is not None:
             # Seeded noise (simulations only) is written into the ledger: its spends were priced
@@ -252,7 +256,7 @@ class Agent:
             n_units=self.n_units,
             params=params,
         )
-        self.ledger = Ledger.open(config.ledger_path, self.ledger_config, initial_state=initial)
+        self.ledger = Ledger.open(config.ledger_path, self.ledger_config, initial_state=initial.to_arrays())
 
     @property
     def x(self) -> NDArray[Any]:
@@ -415,7 +419,7 @@ class Agent:
     # -- answering ------------------------------------------------------------------------
 
     def answer(self, request: wire.Request, digest: str) -> Outcome:
-        state = self.ledger.state()
+        state = AgentState.from_arrays(self.ledger.state())
         new_state = state
         if isinstance(request, wire.SecaggKeysRequest):
             cfg, arrs, release = secagg_client.advertise(request, self._identity())
@@ -452,8 +456,8 @@ class Agent:
             message_type=wire.message_type_of(request),
             run_id=request.run_id,
             digest=digest,
-            release=release,
-            new_state=new_state,
+            release=release.to_arrays(),
+            new_state=new_state.to_arrays(),
             reply=blob,
         )
         fault_point("after_commit")
@@ -508,10 +512,10 @@ class Agent:
         self,
         request: wire.GradientRequest | wire.IndicatorRequest,
         contributions: Contributions | NDArray[np.float32],
-        state: dict[str, NDArray[Any]],
+        state: AgentState,
         *,
         masked: secagg_client.MaskedContext | None = None,
-    ) -> tuple[wire.ContributionReply | wire.MaskedInputReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
+    ) -> tuple[wire.ContributionReply | wire.MaskedInputReply, AgentState, GaussianRecord | RealisationRecord]:
         """Clip, price, noise: the reply, the new filter state and the release record.
 
         ``contributions`` is this request's own (from :meth:`contributions`; a float32 (n, d) array
@@ -538,11 +542,12 @@ class Agent:
         # A unit whose contribution is not finite (an overflow at extreme parameters) contributes
         # the null element's zero and pays nothing. Refusing instead would answer, uncharged, a
         # question about the client's data: whether some record overflows (privacy.md §1, §2).
-        new_state = dict(state)
         kind = "gradient" if isinstance(request, wire.GradientRequest) else "indicator"
         noise: NDArray[np.float64] | None = None
+        shares = None if masked is None else masked.shares()
+        release: GaussianRecord | RealisationRecord
         if self.gaussian is not None:
-            fstate = FilterState(spent=state["spent"], stopped=state["stopped"])
+            fstate = state.filter_state()
             bounds = partial_clip(self.gaussian, fstate, noise_std=sigma, l2_clip=clip)
             # secagg: a unit whose room sigma sqrt(T - S) is at most the rounding slack cannot pay
             # for any masked input again; it stops now (it would otherwise neither take part nor stop).
@@ -561,24 +566,23 @@ class Agent:
             record = result.release(kind=kind, round_id=request.request_id, noise_std=sigma, l2_norms=clipped_norms)
             stopped = np.array(result.state.stopped | starved)
             newly = stopped & ~fstate.stopped
-            new_state.update(spent=np.array(result.state.spent), stopped=stopped)
-            release: dict[str, NDArray[Any]] = {
-                "kind": np.array(kind),
-                "noise_std": np.array([sigma]),
-                "l2_norms": record.l2_norms,
+            new_state = replace(state, spent=np.array(result.state.spent), stopped=stopped)
+            release = GaussianRecord(
+                kind,
+                sigma,
+                record.l2_norms,
                 # A starved unit is recorded as stopped by this release, as a refusal is, so that
                 # replaying the ledger (protocol.filters.rebuild) stops it at the same round.
-                "refused": np.asarray(record.refused) | starved,
-            }
+                np.asarray(record.refused) | starved,
+                shares,
+            )
             active_after = ~stopped
             noise = self.rng(request).normal(0.0, sigma, units.dim) if self.config.trust == "local" else None
         else:
             assert self.realisation is not None
             if not isinstance(units, RowContributions):  # realised losses need the rows: client units only
                 raise ValueError("realisation filter: expected materialised rows (client units)")
-            rstate = RealisationState(
-                loss=state["loss"], accepting=state["accepting"], answered=int(state["answered"][0])
-            )
+            rstate = state.realisation_state()
             norms = units.norms()
             finite = np.isfinite(norms)
             norms = np.where(finite, norms, 0.0)
@@ -593,25 +597,23 @@ class Agent:
             )
             after = advance(rstate, step, losses=losses)
             newly = ~after.accepting & rstate.accepting
-            new_state.update(
-                loss=np.array(after.loss),
-                accepting=np.array(after.accepting),
-                answered=np.array([after.answered], dtype=np.int64),
+            new_state = replace(
+                state, loss=np.array(after.loss), accepting=np.array(after.accepting), answered=after.answered
             )
-            release = {
-                "kind": np.array(kind),
-                "noise_std": np.array([sigma]),
-                "l2_norms": np.where(step.participating, clipped_norms, 0.0),
-                "losses": losses,
-                "participating": step.participating,
-                "accept_next": step.accept_next,
-            }
+            release = RealisationRecord(
+                kind,
+                sigma,
+                np.where(step.participating, clipped_norms, 0.0),
+                losses,
+                step.participating,
+                step.accept_next,
+                shares,
+            )
             active_after = after.accepting
-        halt = np.array(state["halt_round"])
+        halt = np.array(state.halt_round)
         halt[newly & (halt < 0)] = request.round
-        new_state["halt_round"] = halt
+        new_state = replace(new_state, halt_round=halt)
         if masked is not None:
-            release.update(masked.release_fields())
             return secagg_client.masked_reply(masked, total, self.rng(request)), new_state, release
         if noise is not None:
             total = total + noise
@@ -676,8 +678,8 @@ class Agent:
         return result, clipped_norms, total
 
     def monitor_reply(
-        self, request: wire.MonitorRequest, state: dict[str, NDArray[Any]]
-    ) -> tuple[wire.ContributionReply | wire.MaskedInputReply, dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
+        self, request: wire.MonitorRequest, state: AgentState
+    ) -> tuple[wire.ContributionReply | wire.MaskedInputReply, AgentState, MonitorRecord]:
         """The monitor's report for round t (privacy.md §7); its cost was reserved at enrolment.
 
         ``tree`` (local): for each level i of the binary tree whose node closes at t
@@ -692,26 +694,25 @@ class Agent:
         if monitor.kind == "none":
             raise PolicyError("monitor queries are not allowed: this client reserved no monitor cost at enrolment")
         t = request.round
-        last = int(state["monitor_last"][0])
+        last = state.monitor_last
         if t <= last:
             raise PolicyError(f"monitor round {t} asked; rounds up to {last} were already reported (once each)")
-        new_state = dict(state)
-        new_state["monitor_last"] = np.array([t], dtype=np.int64)
-        active = (state["halt_round"] < 0) if "stopped" not in state else ~state["stopped"]
+        new_state = replace(state, monitor_last=t)
+        active = state.active
         if monitor.kind == "svt":
             # The reservation covers one sparse vector: the first run that asks owns it. A second
             # run would start a second SVT on the same units, an unreserved release.
-            tag = np.array([_run_tag(request.run_id)], dtype=np.int64)
-            owner = state.get("monitor_run", np.zeros(1, dtype=np.int64))
-            if owner[0] != 0 and owner[0] != tag[0]:
+            tag = _run_tag(request.run_id)
+            owner = state.monitor_run
+            if owner != 0 and owner != tag:
                 raise PolicyError(
                     f"svt monitor asked by run {request.run_id!r}; this client's reserved sparse vector "
                     "belongs to an earlier run (re-arming needs a new reservation)"
                 )
-            new_state["monitor_run"] = tag
+            new_state = replace(new_state, monitor_run=tag)
             total = np.array([float(active.sum())], dtype=np.float32)
             reply = wire.ContributionReply(request.request_id, wire.REPLY_OK, "central", 0.0, total)
-            return reply, new_state, {"kind": np.array("monitor"), "round": np.array([t])}
+            return reply, new_state, MonitorRecord(t)
         if t > monitor.max_rounds:
             raise PolicyError(f"monitor round {t} asked; the reserved tree covers at most {monitor.max_rounds} rounds")
         masked = None
@@ -727,17 +728,17 @@ class Agent:
             masked = secagg_client.prepare_masked(
                 self.ledger, request, request.secagg, noise_std=noise_std, n_units=self.n_units, l2_clip=1.0
             )
-        halt = state["halt_round"]
+        halt = state.halt_round
         counts = np.zeros(monitor.levels)
         for level in range(monitor.levels):
             width = 1 << level
             if t % width == 0:
                 counts[level] = np.count_nonzero((halt > t - width) & (halt <= t))
         if masked is not None:
-            release = {"kind": np.array("monitor"), **masked.release_fields()}
+            release = MonitorRecord(t, masked.shares())
             return secagg_client.masked_reply(masked, counts, self.rng(request)), new_state, release
         noisy = counts + self.rng(request).normal(0.0, monitor.noise_std, monitor.levels)
         reply = wire.ContributionReply(
             request.request_id, wire.REPLY_OK, "local", monitor.noise_std, noisy.astype(np.float32)
         )
-        return reply, new_state, {"kind": np.array("monitor"), "round": np.array([t])}
+        return reply, new_state, MonitorRecord(t)

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from client_agent.ledger import Ledger
-from protocol.filters import FilterState, GaussianFilter, rebuild
-from protocol.releases import GaussianRelease
+from client_agent.records import GaussianRecord, RealisationRecord, contribution_from_arrays
+from client_agent.state import AgentState
+from protocol.filters import GaussianFilter, rebuild
 
 
 def _filter_of(ledger: Ledger) -> GaussianFilter | None:
@@ -36,13 +37,15 @@ def ledger_summary(path: Path) -> dict[str, Any]:
     """The ledger's configuration and spend, as ``fedfilter ledger show --json`` prints it."""
     with Ledger.open_existing(path) as ledger:
         cfg = ledger.config
-        state = ledger.state()
+        state = AgentState.from_arrays(ledger.state())
         filt = _filter_of(ledger)
         if filt is not None:
-            spent, stopped, threshold = state["spent"], state["stopped"], filt.threshold
+            fstate = state.filter_state()
+            spent, stopped, threshold = fstate.spent, fstate.stopped, filt.threshold
         else:
+            rstate = state.realisation_state()
             described = dict(cfg.params["filter"])  # type: ignore[call-overload]
-            spent, stopped = np.abs(state["loss"]), ~state["accepting"]
+            spent, stopped = np.abs(rstate.loss), ~rstate.accepting
             threshold = float(described["epsilon"])
         return {
             "path": str(path),
@@ -66,28 +69,23 @@ def verify_ledger(path: Path) -> list[str]:
     """Problems found (empty when the ledger is consistent). Opening already checks integrity and checksums."""
     problems: list[str] = []
     with Ledger.open_existing(path) as ledger:
-        state = ledger.state()
+        state = AgentState.from_arrays(ledger.state())
+        releases = [(request_id, contribution_from_arrays(arrays)) for request_id, _, arrays in ledger.releases()]
         filt = _filter_of(ledger)
         if filt is None:
             losses = np.zeros(ledger.config.n_units)
-            for _, _, release in ledger.releases():
-                if "losses" in release:
-                    losses = losses + release["losses"]
-            if not np.allclose(losses, state["loss"], rtol=0, atol=1e-12):
+            for _, release in releases:
+                if isinstance(release, RealisationRecord):
+                    losses = losses + release.losses
+            if not np.allclose(losses, state.realisation_state().loss, rtol=0, atol=1e-12):
                 problems.append("stored realised losses differ from the sum of the stored releases")
             return problems
-        records = [
-            GaussianRelease(
-                str(rel["kind"]), request_id, float(rel["noise_std"][0]), rel["l2_norms"], refused=rel["refused"]
-            )
-            for request_id, _, rel in ledger.releases()
-            if "l2_norms" in rel
-        ]
+        records = [rel.release(request_id) for request_id, rel in releases if isinstance(rel, GaussianRecord)]
         try:
             rebuilt = rebuild(filt, ledger.config.n_units, records)
         except ValueError as exc:
             return [f"replay failed: {exc}"]
-        stored = FilterState(spent=state["spent"], stopped=state["stopped"])
+        stored = state.filter_state()
         if not np.array_equal(rebuilt.spent, stored.spent):
             worst = int(np.argmax(np.abs(rebuilt.spent - stored.spent)))
             problems.append(

@@ -42,20 +42,28 @@ the stored reply, as for every release.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
 
 from client_agent.ledger import Ledger, StoredRequest
+from client_agent.records import (
+    CheckRecord,
+    GaussianRecord,
+    KeysRecord,
+    MaskedShares,
+    MonitorRecord,
+    RealisationRecord,
+    ReleaseRecord,
+    SharesRecord,
+    UnmaskRecord,
+    release_from_arrays,
+    round_of,
+)
 from protocol import messages as wire
 from protocol import secagg as sa
 from protocol.errors import FedfilterError
-
-KEYS_KIND = "secagg-keys"
-SHARES_KIND = "secagg-shares"
-CHECK_KIND = "secagg-check"
-UNMASK_KIND = "secagg-unmask"
 
 
 class SessionError(sa.SecaggError):
@@ -103,25 +111,48 @@ def _u8(raw: bytes) -> NDArray[np.uint8]:
     return np.frombuffer(raw, dtype=np.uint8).copy()
 
 
-def _step(
+R = TypeVar("R", KeysRecord, SharesRecord, CheckRecord)
+
+
+def _stored(
     ledger: Ledger, key: str, message_types: tuple[str, ...], request: wire.RequestBase, what: str
-) -> StoredRequest:
-    stored = ledger.lookup(key)
+) -> ReleaseRecord:
+    """The record this client stored for step ``key`` of a session, checked to be of this run and round."""
+    stored: StoredRequest | None = ledger.lookup(key)
     if stored is None or stored.message_type not in message_types:
         raise SessionError(f"secagg session {key.split('|')[0]!r}: {what} was not answered by this client")
-    if stored.run_id != request.run_id or int(stored.release["round"][0]) != request.round:
+    release = release_from_arrays(stored.release)
+    stored_round = round_of(release)
+    if stored.run_id != request.run_id or stored_round != request.round:
         raise SessionError(
             f"secagg session {key.split('|')[0]!r}: expected run {stored.run_id!r} round "
-            f"{int(stored.release['round'][0])}, got run {request.run_id!r} round {request.round}"
+            f"{stored_round}, got run {request.run_id!r} round {request.round}"
         )
-    return stored
+    return release
 
 
-def _secrets(stored: StoredRequest) -> sa.ClientSecrets:
-    rel = stored.release
-    return sa.ClientSecrets(
-        rel["encryption_secret"].tobytes(), rel["masking_secret"].tobytes(), rel["self_seed"].tobytes()
-    )
+def _step(ledger: Ledger, key: str, message_type: str, request: wire.RequestBase, what: str, record: type[R]) -> R:
+    """The ``record`` this client stored for step ``key`` of a session (:func:`_stored`)."""
+    release = _stored(ledger, key, (message_type,), request, what)
+    if not isinstance(release, record):
+        raise SessionError(
+            f"secagg session {key.split('|')[0]!r}: {what}: expected a stored {record.__name__}, "
+            f"found {type(release).__name__}"
+        )
+    return release
+
+
+def _masked_step(ledger: Ledger, request: wire.RequestBase, session: str) -> MaskedShares:
+    """The peers' shares this client stored with its masked input (step 3) of ``session``."""
+    what = "step 3 (masked input)"
+    release = _stored(ledger, f"{session}|masked", wire.MESSAGE_TYPES, request, what)
+    if not isinstance(release, GaussianRecord | RealisationRecord | MonitorRecord) or release.masked is None:
+        raise SessionError(f"secagg session {session!r}: {what}: expected stored shares, found none")
+    return release.masked
+
+
+def _secrets(keys: KeysRecord) -> sa.ClientSecrets:
+    return sa.ClientSecrets(keys.encryption_secret, keys.masking_secret, keys.self_seed)
 
 
 @dataclass(frozen=True)
@@ -135,28 +166,27 @@ class Session:
 
 def load_session(ledger: Ledger, request: wire.RequestBase, session: str) -> Session:
     """Steps 1 and 2 of ``session`` as this client answered them (a SessionError when either is missing)."""
-    keys = _step(ledger, session, (wire.SECAGG_KEYS,), request, "step 1 (keys)")
-    shares = _step(ledger, f"{session}|shares", (wire.SECAGG_SHARES,), request, "step 2 (shares)")
-    rel = shares.release
+    keys = _step(ledger, session, wire.SECAGG_KEYS, request, "step 1 (keys)", KeysRecord)
+    shares = _step(ledger, f"{session}|shares", wire.SECAGG_SHARES, request, "step 2 (shares)", SharesRecord)
     roster = sa.Roster(
         request.run_id,
         request.round,
-        int(rel["min_clients"][0]),
-        rel["encryption_keys"],
-        rel["masking_keys"],
+        shares.min_clients,
+        shares.encryption_keys,
+        shares.masking_keys,
         session=session,
-        fingerprint=str(keys.release["fingerprint"]),
-        identities=rel["identities"],
-        commitments=rel["commitments"],
-        signatures=rel["signatures"],
+        fingerprint=keys.fingerprint,
+        identities=shares.identities,
+        commitments=shares.commitments,
+        signatures=shares.signatures,
     )
-    return Session(_secrets(keys), roster, int(rel["own"][0]))
+    return Session(_secrets(keys), roster, shares.own)
 
 
 # --- steps 1, 2 and 4 -----------------------------------------------------------------------------
 
 
-Answer = tuple[dict[str, Any], dict[str, NDArray[Any]], dict[str, NDArray[Any]]]  # reply config, arrays, release
+Answer = tuple[dict[str, Any], dict[str, NDArray[Any]], ReleaseRecord]  # reply config, arrays, release
 
 
 def advertise(request: wire.SecaggKeysRequest, identity: bytes) -> Answer:
@@ -183,14 +213,9 @@ def advertise(request: wire.SecaggKeysRequest, identity: bytes) -> Answer:
         _u8(sa.identity_public_key(identity)),
         _u8(signature),
     )
-    release = {
-        "kind": np.array(KEYS_KIND),
-        "round": np.array([request.round]),
-        "fingerprint": np.array(request.fingerprint),
-        "encryption_secret": _u8(secrets.encryption_secret),
-        "masking_secret": _u8(secrets.masking_secret),
-        "self_seed": _u8(secrets.self_seed),
-    }
+    release = KeysRecord(
+        request.round, request.fingerprint, secrets.encryption_secret, secrets.masking_secret, secrets.self_seed
+    )
     return (*reply.encode(), release)
 
 
@@ -217,9 +242,9 @@ def share_keys(ledger: Ledger, request: wire.SecaggSharesRequest, identity: byte
     identity is not in the owner's peer list, listed twice, or whose advertisement is not signed
     for this session; this client missing or listed under another identity; 2m <= n.
     """
-    keys = _step(ledger, request.session, (wire.SECAGG_KEYS,), request, "step 1 (keys)")
+    keys = _step(ledger, request.session, wire.SECAGG_KEYS, request, "step 1 (keys)", KeysRecord)
     secrets = _secrets(keys)
-    signed = str(keys.release["fingerprint"])
+    signed = keys.fingerprint
     if request.fingerprint != signed:
         raise sa.SecaggError(
             f"secagg session {request.session!r}: the roster names request fingerprint {request.fingerprint[:16]}..., "
@@ -232,17 +257,16 @@ def share_keys(ledger: Ledger, request: wire.SecaggSharesRequest, identity: byte
     if roster.identities is None or roster.identities[own].tobytes() != own_identity:
         raise sa.SecaggError("roster: this client's keys are listed under another identity")
     reply = wire.SecaggSharesReply(request.request_id, request.session, sa.share_ciphertexts(secrets, roster, own))
-    release = {
-        "kind": np.array(SHARES_KIND),
-        "round": np.array([request.round]),
-        "own": np.array([own]),
-        "min_clients": np.array([request.min_clients]),
-        "encryption_keys": np.array(request.encryption_keys),
-        "masking_keys": np.array(request.masking_keys),
-        "identities": np.array(request.identities),
-        "commitments": np.array(request.commitments),
-        "signatures": np.array(request.signatures),
-    }
+    release = SharesRecord(
+        request.round,
+        own,
+        request.min_clients,
+        np.array(request.encryption_keys),
+        np.array(request.masking_keys),
+        np.array(request.identities),
+        np.array(request.commitments),
+        np.array(request.signatures),
+    )
     return (*reply.encode(), release)
 
 
@@ -254,18 +278,13 @@ def check(ledger: Ledger, request: wire.SecaggCheckRequest, identity: bytes) -> 
     this client. The signed sets are stored: the unmask step answers only for them.
     """
     session = load_session(ledger, request, request.session)
-    masked = _step(ledger, f"{request.session}|masked", wire.MESSAGE_TYPES, request, "step 3 (masked input)")
+    masked = _masked_step(ledger, request, request.session)
     survivors, dropped = session.roster.check_split(
-        request.survivors, request.dropped, shared=masked.release["secagg_peers"], own=session.own
+        request.survivors, request.dropped, shared=masked.peers, own=session.own
     )
     signature = sa.sign(identity, sa.check_message(session.roster.tag, survivors, dropped))
     reply = wire.SecaggCheckReply(request.request_id, request.session, _u8(signature))
-    release = {
-        "kind": np.array(CHECK_KIND),
-        "round": np.array([request.round]),
-        "survivors": survivors,
-        "dropped": dropped,
-    }
+    release = CheckRecord(request.round, survivors, dropped)
     return (*reply.encode(), release)
 
 
@@ -276,14 +295,11 @@ def unmask(ledger: Ledger, request: wire.SecaggUnmaskRequest) -> Answer:
     and only with at least m valid signatures of survivors over exactly those sets.
     """
     session = load_session(ledger, request, request.session)
-    masked = _step(ledger, f"{request.session}|masked", wire.MESSAGE_TYPES, request, "step 3 (masked input)")
-    signed = _step(ledger, f"{request.session}|check", (wire.SECAGG_CHECK,), request, "the consistency check")
-    peers = masked.release["secagg_peers"]
+    masked = _masked_step(ledger, request, request.session)
+    signed = _step(ledger, f"{request.session}|check", wire.SECAGG_CHECK, request, "the consistency check", CheckRecord)
+    peers = masked.peers
     survivors, dropped = session.roster.check_split(request.survivors, request.dropped, shared=peers, own=session.own)
-    if (
-        survivors.tolist() != signed.release["survivors"].tolist()
-        or dropped.tolist() != signed.release["dropped"].tolist()
-    ):
+    if survivors.tolist() != signed.survivors.tolist() or dropped.tolist() != signed.dropped.tolist():
         raise sa.SecaggError(
             f"secagg session {request.session!r}: the unmask step names another survivor set than the one this "
             "client signed"
@@ -295,12 +311,10 @@ def unmask(ledger: Ledger, request: wire.SecaggUnmaskRequest) -> Answer:
             sa.share_from_bytes(seed.tobytes(), what="stored seed share"),
             sa.share_from_bytes(key.tobytes(), what="stored key share"),
         )
-        for src, seed, key in zip(
-            peers, masked.release["secagg_seed_shares"], masked.release["secagg_key_shares"], strict=True
-        )
+        for src, seed, key in zip(peers, masked.seed_shares, masked.key_shares, strict=True)
     ]
     reply = wire.SecaggUnmaskReply(request.request_id, request.session, sa.reveal(opened, survivors))
-    release = {"kind": np.array(UNMASK_KIND), "round": np.array([request.round]), "survivors": survivors}
+    release = UnmaskRecord(request.round, survivors)
     return (*reply.encode(), release)
 
 
@@ -321,15 +335,15 @@ class MaskedContext:
     noise_std: float  # this client's share: sigma / sqrt(m)
     data_bound: int
 
-    def release_fields(self) -> dict[str, NDArray[Any]]:
+    def shares(self) -> MaskedShares:
         """The peers' shares for step 4, stored with the charge of step 3."""
-        return {
-            "round": np.array([self.session.roster.round]),
-            "secagg_peers": self.peers,
-            "secagg_seed_shares": sa.share_table([o.seed_share for o in self.opened]),
-            "secagg_key_shares": sa.share_table([o.key_share for o in self.opened]),
-            "secagg_noise_share_std": np.array([self.noise_std]),
-        }
+        return MaskedShares(
+            self.session.roster.round,
+            self.peers,
+            sa.share_table([o.seed_share for o in self.opened]),
+            sa.share_table([o.key_share for o in self.opened]),
+            self.noise_std,
+        )
 
 
 def check_fingerprint(request: wire.RequestBase, roster: sa.Roster) -> None:

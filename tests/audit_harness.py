@@ -60,6 +60,7 @@ from scipy import special
 
 from client_agent.agent import Agent
 from client_agent.config import AgentConfig, parse_agent_config
+from client_agent.state import AgentState
 from protocol import messages as wire
 
 TARGET_LABEL = 1  # the target record's label in D: it answers 1 to ``label == 1``
@@ -206,7 +207,7 @@ def probe_mean(agent: Agent, request: wire.IndicatorRequest) -> NDArray[np.float
     """
     inject(agent, np.zeros(1), sigma=request.noise_std)
     rows = agent.contributions(request)
-    reply, _, _ = agent.release(request, rows, agent.ledger.state())
+    reply, _, _ = agent.release(request, rows, AgentState.from_arrays(agent.ledger.state()))
     assert isinstance(reply, wire.ContributionReply)
     return np.asarray(reply.total, dtype=np.float64)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from client_agent.agent import Agent
 from client_agent.config import AgentConfigError, parse_agent_config
 from client_agent.ledger import LedgerError
+from client_agent.state import AgentState
 from protocol import messages as wire
 from tests.factories import MODEL_ARGS, N_PARAMS, build_agent, gradient_request, indicator_request
 
@@ -478,12 +480,13 @@ def test_state_whose_spend_goes_down_is_never_committed(tmp_path: Path) -> None:
 
     agent = make_agent(tmp_path)
     agent.handle(wire.GRADIENT, *gradient())
-    state = agent.ledger.state()
+    state = AgentState.from_arrays(agent.ledger.state())
+    assert state.spent is not None and state.stopped is not None
     with pytest.raises(LedgerError, match="went down"):
-        check_monotone(state, dict(state, spent=state["spent"] * 0.5))
+        check_monotone(state, replace(state, spent=state.spent * 0.5))
     with pytest.raises(LedgerError, match="restarted"):
         check_monotone(
-            dict(state, stopped=np.ones_like(state["stopped"])), dict(state, stopped=np.zeros_like(state["stopped"]))
+            replace(state, stopped=np.ones_like(state.stopped)), replace(state, stopped=np.zeros_like(state.stopped))
         )
     check_monotone(state, state)  # unchanged is fine
 

@@ -28,6 +28,7 @@ import gc
 import sys
 import tracemalloc
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -39,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from client_agent.agent import Agent
+from client_agent.state import AgentState
 from protocol import messages as wire
 from tests.factories import build_agent, client_data, gradient_request
 
@@ -129,7 +131,7 @@ def witness(fn: Callable[[], object]) -> tuple[list[tuple[str, int]], int, list[
     return traced_lines(fn), peak_allocation(fn), torch_ops(fn)
 
 
-def release_witness(agent: Agent, state: dict[str, np.ndarray], request: wire.GradientRequest) -> Any:
+def release_witness(agent: Agent, state: AgentState, request: wire.GradientRequest) -> Any:
     def run() -> None:
         agent.release(request, agent.contributions(request), state)
 
@@ -159,7 +161,7 @@ def test_release_work_does_not_depend_on_who_stopped(
 ) -> None:
     agent = make_agent(tmp_path, *data(), filter=filter_kind)
     request = decoded_request(l2_clip, noise_std)
-    fresh = agent.ledger.state()
+    fresh = AgentState.from_arrays(agent.ledger.state())
     assert agent.gaussian is not None
     threshold = agent.gaussian.threshold
     rng = np.random.default_rng(5)
@@ -169,7 +171,7 @@ def test_release_work_does_not_depend_on_who_stopped(
         spent = np.where(stopped, threshold, rng.random(N) * threshold * 0.5)
         # A unit near its end: partial clipping shrinks it, so clipped rows differ as well.
         spent[:10] = np.where(stopped[:10], threshold, threshold * 0.999)
-        states.append(fresh | {"spent": spent, "stopped": stopped})
+        states.append(replace(fresh, spent=spent, stopped=stopped))
     witnesses = [release_witness(agent, s, request) for s in states]
     for other in witnesses[1:]:
         assert_same_work(witnesses[0], other)
@@ -189,7 +191,7 @@ def test_release_work_does_not_depend_on_unusable_records(tmp_path: Path) -> Non
         folder = tmp_path / case
         folder.mkdir()
         agent = make_agent(folder, xc, yc)
-        witnesses.append(release_witness(agent, agent.ledger.state(), request))
+        witnesses.append(release_witness(agent, AgentState.from_arrays(agent.ledger.state()), request))
         agent.close()
     for other in witnesses[1:]:
         assert_same_work(witnesses[0], other)
@@ -207,8 +209,8 @@ def test_realisation_release_work_does_not_depend_on_acceptance(tmp_path: Path) 
         **{"realisation-max-rounds": 8, "policy-max-clip": 1.0, "policy-min-noise-std": 1.0},
     )
     request = decoded_request(unit="client")
-    fresh = agent.ledger.state()
-    stopped = fresh | {"accepting": np.zeros(1, dtype=np.bool_), "loss": np.array([3.0])}
+    fresh = AgentState.from_arrays(agent.ledger.state())
+    stopped = replace(fresh, accepting=np.zeros(1, dtype=np.bool_), loss=np.array([3.0]))
     assert_same_work(release_witness(agent, fresh, request), release_witness(agent, stopped, request))
     agent.close()
 

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,8 @@ from torch.nn import functional as F
 
 from client_agent import streaming
 from client_agent.gradients import per_example_gradients
+from client_agent.records import GaussianRecord
+from client_agent.state import AgentState
 from client_agent.streaming import (
     NORM_REL_ERROR,
     ArraySource,
@@ -305,11 +308,11 @@ def test_the_fused_release_charges_what_it_sums(tmp_path: Path) -> None:
     request = wire.GradientRequest("r1", "run", 1, 0.4, 0.3, "central", "record", "logreg", args, params)
     assert agent.gaussian is not None
     threshold = agent.gaussian.threshold
-    state = agent.ledger.state()
+    state = AgentState.from_arrays(agent.ledger.state())
     spent = rng.random(n) * threshold * 0.5
     spent[:12] = threshold * (1 - rng.random(12) * 1e-3)  # near the end: partial clips below the norms
     stopped = np.arange(n) % 5 == 0
-    state = state | {"spent": np.where(stopped, threshold, spent), "stopped": stopped}
+    state = replace(state, spent=np.where(stopped, threshold, spent), stopped=stopped)
     streamed = agent.contributions(request)
     assert isinstance(streamed, StreamedGradients)
     reply, new_state, release = agent.release(request, streamed, state)
@@ -317,14 +320,16 @@ def test_the_fused_release_charges_what_it_sums(tmp_path: Path) -> None:
 
     rows = gradient_rows(request, x, y, unit="record")
     reply_rows, state_rows, release_rows = agent.release(request, rows, state)
-    charged = release["l2_norms"] > 0
-    assert np.array_equal(charged, release_rows["l2_norms"] > 0)
+    assert isinstance(release, GaussianRecord) and isinstance(release_rows, GaussianRecord)
+    assert new_state.spent is not None and new_state.stopped is not None
+    charged = release.l2_norms > 0
+    assert np.array_equal(charged, release_rows.l2_norms > 0)
     assert not charged[stopped].any() and not charged[[7, 9]].any()
     assert charged.sum() >= n // 2
-    partial = charged & (release["l2_norms"] < 0.3 * 0.99)
+    partial = charged & (release.l2_norms < 0.3 * 0.99)
     assert partial[:12].any()  # some units spent their exact remainder
-    np.testing.assert_allclose(release["l2_norms"], release_rows["l2_norms"], rtol=2 * NORM_REL_ERROR)
-    assert np.all(new_state["spent"] <= threshold) and np.array_equal(new_state["stopped"], state_rows["stopped"])
+    np.testing.assert_allclose(release.l2_norms, release_rows.l2_norms, rtol=2 * NORM_REL_ERROR)
+    assert np.all(new_state.spent <= threshold) and np.array_equal(new_state.stopped, state_rows.stopped)
     assert rel(reply.total.astype(np.float64), reply_rows.total.astype(np.float64)) <= 1e-4
     agent.close()
 
