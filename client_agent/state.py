@@ -102,11 +102,6 @@ class AgentState:
                 raise LedgerError(f"agent state: {name}: expected an int, found {value!r}")
 
     @property
-    def is_gaussian(self) -> bool:
-        """Whether this is a Gaussian filter's state (else the realisation filter's)."""
-        return self.spent is not None
-
-    @property
     def active(self) -> NDArray[np.bool_]:
         """The units still taking part: not stopped (Gaussian), not halted (realisation)."""
         return ~self.stopped if self.stopped is not None else self.halt_round < 0
