@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from client_agent.ledger import Ledger
+from client_agent.records import contribution_from_arrays
+from client_agent.state import AgentState
 from protocol.comparisons import gaussian_rounds, pure_rounds
 from protocol.filters import EXHAUSTED_FRACTION, GaussianFilter
 from simulations.errors import SimulationError
@@ -94,9 +96,9 @@ def full_norm_record(clients: Mapping[int, Mapping[str, Any]], *, l2_clip: float
     rows = []
     for node in clients.values():
         with Ledger.open_existing(Path(node["ledger-path"])) as ledger:
-            releases = [rel for _, _, rel in ledger.releases() if str(rel["kind"]) == "indicator"]
-            norms = np.array([float(rel["l2_norms"][0]) for rel in releases])
-            state = ledger.state()
+            records = [contribution_from_arrays(rel) for _, _, rel in ledger.releases()]
+            norms = np.array([float(r.l2_norms[0]) for r in records if r is not None and r.kind == "indicator"])
+            state = AgentState.from_arrays(ledger.state())
             threshold = float(ledger.config.params["filter"]["threshold"])  # type: ignore[index]
         full = norms >= l2_clip * (1.0 - 1e-6)  # clipping leaves a full-norm unit within 64 float32 ulps of C
         partial = norms[(norms > 0) & ~full]
@@ -104,8 +106,8 @@ def full_norm_record(clients: Mapping[int, Mapping[str, Any]], *, l2_clip: float
             {
                 "full_norm_rounds": int(np.count_nonzero(full)),
                 "partial_norms": partial.tolist(),
-                "halt_round": int(state["halt_round"][0]),
-                "spent": float(state["spent"][0]),
+                "halt_round": int(state.halt_round[0]),
+                "spent": float(state.filter_state().spent[0]),
                 "threshold": threshold,
             }
         )
