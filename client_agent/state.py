@@ -36,12 +36,12 @@ from protocol.realisation import RealisationState
 GAUSSIAN_FIELDS: Final = ("spent", "stopped")
 REALISATION_FIELDS: Final = ("loss", "accepting", "answered")
 COMMON_FIELDS: Final = ("halt_round", "monitor_last", "monitor_run")
-_PER_UNIT: Final = {
+_PER_UNIT: Final = {  # halt_round first: the others are checked against its length
+    "halt_round": np.dtype(np.int64),
     "spent": np.dtype(np.float64),
     "stopped": np.dtype(np.bool_),
     "loss": np.dtype(np.float64),
     "accepting": np.dtype(np.bool_),
-    "halt_round": np.dtype(np.int64),
 }
 _COUNTERS: Final = ("answered", "monitor_last", "monitor_run")  # int64, shape (1,)
 

@@ -175,3 +175,9 @@ def test_unknown_kind_or_missing_array_is_a_ledger_error() -> None:
     arrays = RECORDS[0].to_arrays() | {"noise_std": np.array([2.0, 3.0])}
     with pytest.raises(LedgerError, match=r"array 'noise_std': expected shape \(1,\), found \(2,\)"):
         release_from_arrays(arrays)
+
+
+def test_a_bad_halt_round_is_named_itself() -> None:
+    arrays = gaussian_state().to_arrays() | {"halt_round": np.zeros((N, 1), dtype=np.int64)}
+    with pytest.raises(LedgerError, match=r"array 'halt_round': expected shape \(n_units,\) dtype int64"):
+        AgentState.from_arrays(arrays)
