@@ -946,7 +946,7 @@ def activation_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
 
     named = [*model.named_parameters(), *model.named_buffers()]
     for device in ("meta", None):
-        state = {name: torch.empty_like(t, device="meta") if device else t.detach() for name, t in named}
+        state = {name: torch.empty_like(t, device="meta") if device else t.detach().clone() for name, t in named}
         xm = torch.empty_like(x, device="meta") if device else torch.zeros_like(x)
         ym = torch.empty_like(y, device="meta") if device else torch.zeros_like(y)
         counter = Count()  # type: ignore[no-untyped-call]
