@@ -90,8 +90,7 @@ class Policy:
             ("policy-max-requests-per-day", self.max_requests_per_day),
             ("policy-max-activation-mb", self.max_activation_mb),
         ):
-            if count < 1:
-                raise AgentConfigError(f"{name}: expected an integer >= 1, got {count!r}")
+            integer(name, count, at_least=1, error=AgentConfigError)
         if self.max_local_steps < 0:
             raise AgentConfigError(
                 f"policy-max-local-steps: expected an integer >= 0 (0: no local training), got {self.max_local_steps!r}"

@@ -172,6 +172,8 @@ class IdxSource:
             labels = self.images.with_name(self.images.name.replace("images-idx3", "labels-idx1"))
         self.labels = Path(labels)
         if normalise is not None:
+            if len(normalise) != 2:
+                raise ValueError(f"normalise: expected (mean, std), got {normalise!r}")
             mean, std = (float(v) for v in normalise)
             if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
                 raise ValueError(f"normalise: expected (mean, std) finite with std > 0, got {normalise!r}")

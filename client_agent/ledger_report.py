@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from client_agent.ledger import Ledger
+from client_agent.ledger import Ledger, LedgerError
 from client_agent.records import GaussianRecord, RealisationRecord, contribution_from_arrays
 from client_agent.state import AgentState
 from protocol.filters import GaussianFilter, rebuild
@@ -70,7 +70,14 @@ def verify_ledger(path: Path) -> list[str]:
     problems: list[str] = []
     with Ledger.open_existing(path) as ledger:
         state = AgentState.from_arrays(ledger.state())
-        releases = [(request_id, contribution_from_arrays(arrays)) for request_id, _, arrays in ledger.releases()]
+        releases: list[tuple[str, GaussianRecord | RealisationRecord | None]] = []
+        for request_id, _, arrays in ledger.releases():
+            try:
+                releases.append((request_id, contribution_from_arrays(arrays)))
+            except LedgerError as exc:  # a stored record that does not parse is a finding, not an abort
+                problems.append(f"request {request_id!r}: {exc}")
+        if problems:
+            return problems
         filt = _filter_of(ledger)
         if filt is None:
             losses = np.zeros(ledger.config.n_units)

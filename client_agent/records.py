@@ -52,7 +52,8 @@ def _kind(kind: str) -> NDArray[np.str_]:
     return np.array(kind)
 
 
-def _u8(raw: bytes) -> NDArray[np.uint8]:
+def u8(raw: bytes) -> NDArray[np.uint8]:
+    """``raw`` as a writable uint8 array (keys, signatures and shares as the ledger stores them)."""
     return np.frombuffer(raw, dtype=np.uint8).copy()
 
 
@@ -246,9 +247,9 @@ class KeysRecord:
             "kind": _kind(KEYS_KIND),
             "round": np.array([self.round]),
             "fingerprint": np.array(self.fingerprint),
-            "encryption_secret": _u8(self.encryption_secret),
-            "masking_secret": _u8(self.masking_secret),
-            "self_seed": _u8(self.self_seed),
+            "encryption_secret": u8(self.encryption_secret),
+            "masking_secret": u8(self.masking_secret),
+            "self_seed": u8(self.self_seed),
         }
 
     @classmethod
@@ -368,8 +369,8 @@ def release_from_arrays(arrays: Mapping[str, NDArray[Any]]) -> ReleaseRecord:
 
 def contribution_from_arrays(arrays: Mapping[str, NDArray[Any]]) -> GaussianRecord | RealisationRecord | None:
     """A stored gradient or indicator release (the only kinds that charge a filter), else None."""
-    if "kind" not in arrays or str(arrays["kind"]) not in CONTRIBUTION_KINDS:
-        return None
+    if "kind" not in arrays or _text("?", arrays, "kind") not in CONTRIBUTION_KINDS:
+        return None  # a kind that is not one string is refused by _text (LedgerError), never skipped
     record = release_from_arrays(arrays)
     assert isinstance(record, GaussianRecord | RealisationRecord)  # dispatched on a contribution kind
     return record

@@ -60,6 +60,7 @@ from client_agent.records import (
     UnmaskRecord,
     release_from_arrays,
     round_of,
+    u8,
 )
 from protocol import messages as wire
 from protocol import secagg as sa
@@ -105,10 +106,6 @@ def replay_reason(request: wire.Request) -> str:
             "two masked inputs under the same masks reveal their difference"
         )
     return f"request id {request.request_id!r} was answered before with other content; a new request needs a new id"
-
-
-def _u8(raw: bytes) -> NDArray[np.uint8]:
-    return np.frombuffer(raw, dtype=np.uint8).copy()
 
 
 R = TypeVar("R", KeysRecord, SharesRecord, CheckRecord)
@@ -207,11 +204,11 @@ def advertise(request: wire.SecaggKeysRequest, identity: bytes) -> Answer:
     reply = wire.SecaggKeysReply(
         request.request_id,
         request.request_id,
-        _u8(secrets.encryption_key),
-        _u8(secrets.masking_key),
-        _u8(secrets.commitment),
-        _u8(sa.identity_public_key(identity)),
-        _u8(signature),
+        u8(secrets.encryption_key),
+        u8(secrets.masking_key),
+        u8(secrets.commitment),
+        u8(sa.identity_public_key(identity)),
+        u8(signature),
     )
     release = KeysRecord(
         request.round, request.fingerprint, secrets.encryption_secret, secrets.masking_secret, secrets.self_seed
@@ -283,7 +280,7 @@ def check(ledger: Ledger, request: wire.SecaggCheckRequest, identity: bytes) -> 
         request.survivors, request.dropped, shared=masked.peers, own=session.own
     )
     signature = sa.sign(identity, sa.check_message(session.roster.tag, survivors, dropped))
-    reply = wire.SecaggCheckReply(request.request_id, request.session, _u8(signature))
+    reply = wire.SecaggCheckReply(request.request_id, request.session, u8(signature))
     release = CheckRecord(request.round, survivors, dropped)
     return (*reply.encode(), release)
 

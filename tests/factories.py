@@ -215,7 +215,8 @@ def ledger_config(**over: Any) -> LedgerConfig:
 
 
 def fresh_ledger_state(n_units: int = LEDGER_UNITS) -> dict[str, np.ndarray]:
-    """A Gaussian filter's state as the agent stores it: nothing spent, nobody stopped."""
+    """A minimal generic ledger state (a Gaussian filter's spent and stopped arrays: nothing spent, nobody
+    stopped) for the ledger's own tests; the agent stores more (client_agent.state.AgentState)."""
     return {"spent": np.zeros(n_units), "stopped": np.zeros(n_units, dtype=np.bool_)}
 
 

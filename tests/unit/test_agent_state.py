@@ -181,3 +181,36 @@ def test_a_bad_halt_round_is_named_itself() -> None:
     arrays = gaussian_state().to_arrays() | {"halt_round": np.zeros((N, 1), dtype=np.int64)}
     with pytest.raises(LedgerError, match=r"array 'halt_round': expected shape \(n_units,\) dtype int64"):
         AgentState.from_arrays(arrays)
+
+
+def test_a_contribution_kind_that_is_not_one_string_is_refused_not_skipped() -> None:
+    """Review finding: contribution_from_arrays read the kind with str(), so np.array(['gradient']) was not a
+    contribution kind and the release was silently left out of ledger verify's replay."""
+    arrays = RECORDS[0].to_arrays() | {"kind": np.array(["gradient"])}
+    with pytest.raises(LedgerError, match=r"array 'kind': expected 0 dimension\(s\)"):
+        contribution_from_arrays(arrays)
+
+
+def test_ledger_verify_reports_a_stored_record_that_does_not_parse(tmp_path: Any) -> None:
+    """Review finding: a stored release that did not parse aborted verify with a LedgerError; it is reported
+    as a problem naming the request."""
+    from client_agent.ledger_report import verify_ledger
+    from protocol import messages as wire
+    from tests.factories import build_agent, gradient_request
+
+    agent = build_agent(tmp_path)
+    assert not agent.handle(wire.GRADIENT, *wire.encode_request(gradient_request("r1"))).is_error
+    state = agent.ledger.state()
+    bad = RECORDS[0].to_arrays() | {"kind": np.array(["gradient"])}
+    agent.ledger.commit(
+        request_id="r2",
+        message_type=wire.GRADIENT,
+        run_id="run",
+        digest="0" * 64,
+        release=bad,
+        new_state=state,
+        reply=b"",
+    )
+    agent.close()
+    problems = verify_ledger(tmp_path / "ledger.sqlite")
+    assert len(problems) == 1 and problems[0].startswith("request 'r2': ") and "'kind'" in problems[0]
