@@ -265,16 +265,7 @@ def test_the_fused_pass_null_records_and_overflow_contribute_exactly_zero() -> N
     keep = np.delete(np.arange(len(x)), [2, 5])
     assert np.isfinite(total).all() and rel(total, reference_rows(model, x[keep], y[keep]).sum(0).numpy()) <= 1e-5
 
-    lin = nn.Sequential(nn.Linear(3, 2))
-    with torch.no_grad():
-        lin[0].weight.zero_()
-        lin[0].bias.zero_()
-        lin[0].weight[0, 0] = 3e38
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(9, 3)).astype(np.float32)
-    x[:, 0] = np.abs(x[:, 0]) * 0.001
-    x[4, 0] = 10.0  # logit +inf: its gradient is NaN
-    y = rng.integers(0, 2, 9)
+    lin, x, y = overflow_case()
     norms, total, _ = fused_clipped_sum(lin, LOSS, ArraySource(x, y), ones, chunk_size=4)
     assert not np.isfinite(norms[4]) and np.isfinite(np.delete(norms, 4)).all()
     keep = np.delete(np.arange(9), 4)
@@ -373,7 +364,8 @@ def test_null_records_have_norm_zero_and_contribute_nothing() -> None:
     assert np.isfinite(total).all() and rel(total, want) <= 1e-5
 
 
-def test_a_record_whose_norm_overflows_contributes_exactly_zero() -> None:
+def overflow_case() -> tuple[nn.Module, np.ndarray, np.ndarray]:
+    """A linear model whose record 4 overflows (logit +inf, gradient NaN); the other 8 are finite."""
     model = nn.Sequential(nn.Linear(3, 2))
     with torch.no_grad():
         model[0].weight.zero_()
@@ -383,7 +375,11 @@ def test_a_record_whose_norm_overflows_contributes_exactly_zero() -> None:
     x = rng.normal(size=(9, 3)).astype(np.float32)
     x[:, 0] = np.abs(x[:, 0]) * 0.001
     x[4, 0] = 10.0  # logit +inf: its gradient is NaN
-    y = rng.integers(0, 2, 9)
+    return model, x, rng.integers(0, 2, 9)
+
+
+def test_a_record_whose_norm_overflows_contributes_exactly_zero() -> None:
+    model, x, y = overflow_case()
     units = StreamedGradients(model, LOSS, ArraySource(x, y), chunk_size=4)
     norms = units.norms()
     assert not np.isfinite(norms[4]) and np.isfinite(np.delete(norms, 4)).all()
