@@ -60,6 +60,7 @@ class CoordinatorConfig:
     # records, charged by every unit's filter like any release; stop after `patience` checks without
     # an improvement of more than `min_delta` in that count / n_public.
     plateau_every: int = 0
+    plateau_start: int = 0  # no count before this round (model selection after a fixed horizon, FZ Sec. 5.1)
     plateau_patience: int = 3
     plateau_min_delta: float = 0.0
     eval_every: int = 0  # evaluate on server-side test data every k rounds (0: never)
@@ -92,7 +93,15 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         for name in ("num_nodes", "n_public", "rounds"):
             _int_at_least(name, getattr(self, name), 1)
-        for name in ("monitor_threshold", "query_columns", "plateau_every", "eval_every", "checkpoint_every", "seed"):
+        for name in (
+            "monitor_threshold",
+            "query_columns",
+            "plateau_every",
+            "plateau_start",
+            "eval_every",
+            "checkpoint_every",
+            "seed",
+        ):
             _int_at_least(name, getattr(self, name), 0)
         for name in ("noise_std", "l2_clip", "learning_rate", "round_timeout", "enrol_timeout"):
             value = getattr(self, name)

@@ -188,8 +188,9 @@ def indicator_request(
 class GradientTask:
     """Federated GD: broadcast the model, step by the noisy sum of clipped gradients over the public n.
 
-    Every ``plateau_every`` rounds it also releases a noisy count of correctly classified training
-    records (the private plateau test, a counting release every filter charges), evaluates on the
+    Every ``plateau_every`` rounds (from round ``plateau_start`` on) it also releases a noisy count of
+    correctly classified training records (the private plateau test, a counting release every filter
+    charges), evaluates on the
     server's test data every ``eval_every`` rounds and checkpoints every ``checkpoint_every``.
     """
 
@@ -242,7 +243,7 @@ class GradientTask:
                 self.parameters = step.astype(np.float32)
             else:  # a reply far out of range (a faulty or hostile client); post-processing, no privacy cost
                 ctx.errors["non-finite-step"] += 1
-        if cfg.plateau_every and rnd % cfg.plateau_every == 0:
+        if cfg.plateau_every and rnd >= cfg.plateau_start and rnd % cfg.plateau_every == 0:
             self._plateau(ctx)
         if self.evaluate is not None and cfg.eval_every and rnd % cfg.eval_every == 0:
             self.metrics = self.evaluate(self.parameters)

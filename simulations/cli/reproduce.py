@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import subprocess
 import time
+import traceback
 from pathlib import Path
 
 from simulations.cli.arguments import Subparsers
@@ -14,16 +18,26 @@ from simulations.reproductions.fz_sec51 import (
     EPSILONS,
     METHODS,
     REGIMES,
+    Job,
     append_result,
+    append_results,
     cell,
+    job_summary,
     load_results,
+    next_job,
     plot_accuracy,
     plot_fig1,
+    run_job,
     run_trial,
     table_markdown,
 )
 
 log = logging.getLogger(__name__)
+
+# ``fz-mnist --campaign --once`` exit codes: a shell loop runs it until it returns non-zero.
+CAMPAIGN_NOTHING_LEFT = 3
+CAMPAIGN_STUCK = 4  # the same job failed twice: stop rather than loop on it
+COMMIT_ATTEMPTS = 10
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -52,7 +66,16 @@ def add_parser(sub: Subparsers) -> None:
     )
     run.add_argument("--out", type=Path, default=Path("fedfilter-out/fz-mnist"), help="trial folders go here")
     run.add_argument("--data-dir", type=Path, help="folder with the MNIST IDX files")
-    run.add_argument("--engine", default="flower", choices=["flower", "inprocess"])
+    run.add_argument("--engine", choices=["flower", "inprocess"], help="default: flower (--campaign: inprocess)")
+    run.add_argument(
+        "--campaign",
+        action="store_true",
+        help="issue 26: jobs in order (prefix check, tuning grid, seed 0, seeds 1-2, GDP), skipping those in --results",
+    )
+    run.add_argument("--once", action="store_true", help="--campaign: run the next unfinished job, then exit")
+    run.add_argument(
+        "--commit", action="store_true", help="--campaign: git commit --results after every job (nothing else)"
+    )
     run.set_defaults(handler=run_cells)
     rep = rsub.add_parser(
         "fz-mnist-report", help="the table (markdown), Fig. 1 and accuracy against step (PNG) from the results file"
@@ -65,6 +88,8 @@ def add_parser(sub: Subparsers) -> None:
 
 def run_cells(args: argparse.Namespace) -> int:
     """Run the trials of every cell asked for, appending each to ``--results`` as it finishes."""
+    if args.campaign:
+        return run_campaign(args)
     if args.trials < 1:
         raise SimulationError(f"--trials: expected an integer >= 1, got {args.trials}")
     cells = [cell(e, r, m) for r in args.regime for e in args.epsilon for m in args.method]
@@ -85,13 +110,89 @@ def run_cells(args: argparse.Namespace) -> int:
                 "fz-mnist: eps=%s %s %s: %d steps, C=%g, sigma=%.3f, lr=%g, seed %d -> %s",
                 *(c.epsilon, c.regime, c.method, c.steps, c.clip, c.noise_std, c.learning_rate, seed, out),
             )
-            record = run_trial(c, seed=seed, out=out, data_dir=args.data_dir, engine=args.engine)
+            record = run_trial(c, seed=seed, out=out, data_dir=args.data_dir, engine=args.engine or "flower")
             append_result(args.results, record)
             log.info(
                 "fz-mnist: test accuracy %.2f%% after %d steps (%.0f s); appended to %s",
                 *(100 * record["final_accuracy"], record["rounds_completed"], record["wall_s"], args.results),
             )
     return 0
+
+
+def run_campaign(args: argparse.Namespace) -> int:
+    """Issue 26's campaign: the next unfinished job (``--once``) or all of them, each appended when done.
+
+    Exit codes with ``--once``: 0 after a job (or its first failure, so that a shell loop tries it
+    again), CAMPAIGN_NOTHING_LEFT when every job is done, CAMPAIGN_STUCK when the next job has failed twice.
+    """
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    engine = args.engine or "inprocess"
+    failures_path = args.out / "campaign-failures.jsonl"
+    while True:
+        rows = load_results(args.results)
+        job = next_job(rows)
+        if job is None:
+            log.info("fz-mnist campaign: every job is in %s", args.results)
+            return CAMPAIGN_NOTHING_LEFT
+        if _failures(failures_path, job) >= 2:
+            log.info("fz-mnist campaign: %s failed twice (%s); stopping", job.key, failures_path)
+            return CAMPAIGN_STUCK
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        out = args.out / "campaign" / f"{job.key.replace('/', '_').replace(',', '_')}-{stamp}"
+        log.info(
+            "fz-mnist campaign: %s -> %s (engine %s, %d torch threads)", job.key, out, engine, torch.get_num_threads()
+        )
+        try:
+            new = run_job(job, out=out, data_dir=args.data_dir, engine=engine)
+        except Exception as exc:  # recorded, then tried once more by the next call
+            log.info("fz-mnist campaign: %s failed: %s\n%s", job.key, exc, traceback.format_exc())
+            _record_failure(failures_path, job, exc)
+            if _failures(failures_path, job) >= 2:
+                return CAMPAIGN_STUCK
+            if args.once:
+                return 0
+            continue
+        append_results(args.results, new)
+        line = job_summary(job, new)
+        log.info("fz-mnist campaign: done %s (%.0f s); appended to %s", line, new[-1]["wall_s"], args.results)
+        if args.commit:
+            commit_results(args.results, f"fz-mnist campaign: {line}")
+        if args.once:
+            return 0
+
+
+def _failures(path: Path, job: Job) -> int:
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("job") == job.key)
+
+
+def _record_failure(path: Path, job: Job, exc: BaseException) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(json.dumps({"job": job.key, "error": repr(exc), "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ")}) + "\n")
+
+
+def commit_results(path: Path, message: str) -> bool:
+    """``git commit -m message -- path`` (that file only), retried while another git holds the index lock."""
+    for attempt in range(COMMIT_ATTEMPTS):
+        done = subprocess.run(
+            ["git", "commit", "-q", "-m", message, "--", path.name],
+            cwd=path.parent,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode == 0:
+            return True
+        if "index.lock" not in done.stderr:
+            log.info("fz-mnist campaign: git commit failed: %s", (done.stderr or done.stdout).strip())
+            return False
+        time.sleep(1 + attempt)
+    log.info("fz-mnist campaign: git commit gave up: the index stayed locked")
+    return False
 
 
 def run_report(args: argparse.Namespace) -> int:

@@ -37,20 +37,25 @@ and Fig. 1 from it (:mod:`simulations.cli.reproduce`).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from coordinator.config import CoordinatorConfig
 from protocol.filters import GaussianFilter
-from simulations.datasets.partition import mnist_silos
+from simulations.datasets.checks import int_at_least
+from simulations.datasets.idx import default_data_dir, load_idx_dataset, normalise_images
+from simulations.datasets.partition import mnist_silos, partition_iid
 from simulations.errors import SimulationError
 from simulations.federation import write_clients
 from simulations.presets.base import active_per_round
@@ -63,9 +68,34 @@ CLIENTS = 10
 # Suboptimal regime: the clip is this multiple of the tuned one (FZ Sec. 5.1).
 SUBOPTIMAL_CLIP_FACTOR = {0.3: 1.5, 0.5: 1.5, 1.0: 2.0}
 TUNED_FILTER_STEPS = 1.5
+# lr x C above this diverged in the issue-26 diagnosis (at lr 2, C 2); every run keeps lr x C <= 3.
+MAX_LR_TIMES_CLIP = 3.0
+# Private model selection (FZ Sec. 5.1): after GD's worst-case steps, a private count every this many steps.
+SELECT_EVERY = 5
+# The tuning split of MNIST's training set (50,000 train / 10,000 validation): fixed, never the test set.
+TUNE_SPLIT_SEED = 26
 DEFAULT_RESULTS = Path("docs/results/fz_sec51.jsonl")
-# What the report reads from every trial.
+# Row kinds of the results file: a cell of the table, a tuning run, the prefix check (issue 26).
+KIND_TRIAL, KIND_TUNE, KIND_PREFIX = "trial", "tune", "prefix-check"
+# What the report reads from every row of each kind.
 RESULT_KEYS = frozenset({"epsilon", "regime", "method", "final_accuracy", "train_records", "active_per_round", "clip"})
+ROW_KEYS: dict[str, frozenset[str]] = {
+    KIND_TRIAL: RESULT_KEYS,
+    KIND_TUNE: frozenset({"job", "epsilon", "steps", "clip", "learning_rate", "validation_accuracy"}),
+    KIND_PREFIX: frozenset({"job", "epsilon", "gd_steps", "parameters_equal", "max_abs_difference"}),
+}
+# The tuning grid of issue 26 (C0 = 1): epsilon -> (T0, learning rate) in the order they run.
+TUNE_CLIP = 1.0
+TUNE_GRID: dict[float, tuple[tuple[int, float], ...]] = {
+    0.3: ((100, 1.5), (100, 2.0), (150, 1.5), (150, 2.0)),
+    0.5: ((100, 1.5), (100, 2.0), (150, 1.5), (150, 2.0)),
+    1.0: ((300, 1.0), (300, 1.5), (400, 1.0), (400, 1.5)),
+}
+TRIAL_SEEDS = (0, 1, 2)
+# The prefix check: suboptimal at epsilon 0.3, T0 = 20 (GD: floor(20 / 1.5^2) = 8 steps) on 6,000 records.
+PREFIX_CHECK_RECORDS = 6000
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,6 +113,8 @@ TUNED: dict[float, Tuned] = {
     0.5: Tuned(steps=40, clip=1.0, learning_rate=2.0),
     1.0: Tuned(steps=40, clip=1.0, learning_rate=2.0),
 }
+
+PREFIX_CHECK = Tuned(steps=20, clip=1.0, learning_rate=2.0)
 
 # FZ Sec. 5.1 table, % test accuracy, mean of 10 trials: (GD, GD with filtering).
 PAPER: dict[tuple[float, str], tuple[float, float]] = {
@@ -144,16 +176,27 @@ def cell(epsilon: float, regime: str, method: str, *, tuned: Tuned | None = None
         steps = math.ceil(TUNED_FILTER_STEPS * t.steps)
     else:
         steps = t.steps
-    return Cell(epsilon, regime, method, steps, clip, sigma, t.learning_rate, "gdp" if method == "gdp" else "renyi")
+    learning_rate = stable_learning_rate(learning_rate=t.learning_rate, l2_clip=clip)
+    return Cell(epsilon, regime, method, steps, clip, sigma, learning_rate, "gdp" if method == "gdp" else "renyi")
+
+
+def stable_learning_rate(*, learning_rate: float, l2_clip: float) -> float:
+    """``learning_rate``, lowered to MAX_LR_TIMES_CLIP / l2_clip where lr x C would exceed it (issue 26)."""
+    return min(learning_rate, MAX_LR_TIMES_CLIP / l2_clip)
 
 
 def _machine() -> dict[str, Any]:
     import torch
 
+    # A campaign job runs from a snapshot of one commit (git archive), which names it here.
+    commit = os.environ.get("FEDFILTER_COMMIT", "")[:12]
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False, timeout=10
-        ).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False, timeout=10
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):  # no git, or it hung: the trial's record must still be written
         commit = ""
     return {
@@ -167,20 +210,58 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def run_trial(
+def tuning_silos(
+    clients: int, *, data_dir: Path | None = None, train_limit: int | None = None
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray]:
+    """The tuning data: MNIST's training set split 5:1 into train silos and a validation set; never the test set.
+
+    The split is fixed (``TUNE_SPLIT_SEED``): 50,000 training records over ``clients`` iid silos and
+    10,000 validation records. ``train_limit`` first keeps that many training records (tests).
+    """
+    train_x, train_y = load_idx_dataset("mnist", data_dir or default_data_dir(), split="train")
+    rng = np.random.default_rng(TUNE_SPLIT_SEED)
+    if train_limit is not None:
+        keep = np.sort(rng.permutation(len(train_x))[: int_at_least("train_limit", train_limit, 6)])
+        train_x, train_y = train_x[keep], train_y[keep]
+    order = rng.permutation(len(train_x))
+    n_val = len(train_x) // 6  # 10,000 of 60,000
+    val, train = np.sort(order[:n_val]), np.sort(order[n_val:])
+    x = normalise_images(train_x[train], dataset="mnist")
+    y = train_y[train]
+    parts = [(x[idx], y[idx]) for idx in partition_iid(len(x), clients, seed=TUNE_SPLIT_SEED)]
+    return parts, normalise_images(train_x[val], dataset="mnist"), train_y[val]
+
+
+@dataclass(frozen=True)
+class Federation:
+    """What one federation of a cell left: the coordinator's summary, the clients' configs, its wall time."""
+
+    summary: dict[str, Any]
+    clients: dict[int, dict[str, Any]]
+    wall_s: float
+    train_records: int
+    evaluate: Callable[[np.ndarray], dict[str, float]] | None = None
+
+
+def run_federation(
     c: Cell,
     *,
     seed: int,
     out: Path,
-    data_dir: Path | None = None,
-    engine: str = "flower",
-    train_limit: int | None = None,
-    eval_every: int = 5,
-) -> dict[str, Any]:
-    """One federation of ``c`` with ``seed`` (model initialisation, partition and noise); returns its record.
+    parts: list[tuple[np.ndarray, np.ndarray]],
+    eval_x: np.ndarray,
+    eval_y: np.ndarray,
+    engine: str = "inprocess",
+    eval_every: int = SELECT_EVERY,
+    select_from: int | None = None,
+    checkpoint_every: int = 0,
+) -> Federation:
+    """One federation of ``c`` over ``parts`` (model, noise and partition from ``seed``), evaluated on (eval_x, eval_y).
 
-    ``train_limit`` keeps only that many training records (the test suite's small version);
-    the reproduction itself uses all 60,000.
+    ``select_from``: from that round on, every ``SELECT_EVERY`` rounds the coordinator releases a noisy
+    count of correctly classified training records (coordinator/tasks.py, the private plateau count;
+    every record's filter pays for it like any release); the run never stops on it (model selection
+    is done afterwards, :func:`select_step`).
     """
     from coordinator.evaluation import model_evaluator  # torch: imported when a trial runs, not by the CLI's parser
     from simulations.engine import run_engine
@@ -188,7 +269,6 @@ def run_trial(
     ledgers = out / "ledgers"
     if ledgers.exists() and any(ledgers.iterdir()):
         raise SimulationError(f"--out: {ledgers} already holds ledgers from an earlier trial; choose a new folder")
-    parts, test_x, test_y = mnist_silos(CLIENTS, seed=seed, data_dir=data_dir, train_limit=train_limit)
     n_train = sum(len(p[0]) for p in parts)
     per = write_clients(
         out / "clients",
@@ -201,6 +281,10 @@ def run_trial(
         filter=c.filter,
         noise_seed=seed,
     )
+    selection: dict[str, Any] = {}
+    if select_from is not None:
+        # Never stale-stopped: patience above the number of counts the run can ask.
+        selection = {"plateau_every": SELECT_EVERY, "plateau_start": select_from, "plateau_patience": c.steps + 1}
     cfg = CoordinatorConfig(
         num_nodes=CLIENTS,
         n_public=n_train,
@@ -214,62 +298,396 @@ def run_trial(
         seed=seed,
         run_id=f"fz-{c.epsilon}-{c.regime}-{c.method}-{seed}",
         eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
         output_dir=str(out),
         noise_seed=seed,
         round_timeout=3600.0,
+        **selection,
     )
-    evaluate = model_evaluator(cfg, test_x, test_y)
+    evaluate = model_evaluator(cfg, eval_x, eval_y)
     started = time.monotonic()
     summary = run_engine(engine, cfg, per, evaluate=evaluate)
-    wall = time.monotonic() - started
-    accuracy = {r["round"]: r["metrics"]["accuracy"] for r in summary["rounds"] if "accuracy" in r.get("metrics", {})}
-    return {
-        **c.describe(),
-        "seed": seed,
-        "train_records": n_train,
-        "rounds_completed": summary["rounds_completed"],
-        "final_accuracy": summary["final_metrics"].get("accuracy"),
-        "accuracy_by_round": accuracy,
-        "active_per_round": active_per_round(per, summary["rounds_completed"]).tolist(),
-        "privacy": summary["privacy"]["statement"],
-        "engine": engine,
-        "wall_s": round(wall, 1),
-        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": _machine(),
-    }
+    return Federation(summary, per, round(time.monotonic() - started, 1), n_train, evaluate)
 
 
-def append_result(path: Path, record: dict[str, Any]) -> None:
-    """Append one trial as a JSON line (flushed and synced: a finished trial is never lost)."""
+def _accuracy_by_round(summary: dict[str, Any], metric: str = "accuracy") -> dict[int, float]:
+    return {r["round"]: r["metrics"][metric] for r in summary["rounds"] if r.get("metrics", {}).get(metric) is not None}
+
+
+def select_step(private_by_round: dict[int, float], last: int) -> int:
+    """The round with the highest private training accuracy (the earliest among ties); ``last`` if none was asked."""
+    if not private_by_round:
+        return last
+    best = max(private_by_round.values())
+    return min(r for r, v in private_by_round.items() if v == best)
+
+
+def run_trial(
+    c: Cell,
+    *,
+    seed: int,
+    out: Path,
+    data_dir: Path | None = None,
+    engine: str = "flower",
+    train_limit: int | None = None,
+    eval_every: int = 5,
+    select_from: int | None = None,
+    checkpoint_every: int = 0,
+) -> dict[str, Any]:
+    """One federation of ``c`` with ``seed`` (model initialisation, partition and noise); returns its record.
+
+    ``train_limit`` keeps only that many training records (the test suite's small version);
+    the reproduction itself uses all 60,000. Test accuracy every ``eval_every`` steps and at the
+    last; with ``select_from`` (see :func:`run_federation`) the record's ``final_accuracy`` is the
+    test accuracy at the step the private training accuracy selected, ``last_accuracy`` the last step's.
+    """
+    parts, test_x, test_y = mnist_silos(CLIENTS, seed=seed, data_dir=data_dir, train_limit=train_limit)
+    fed = run_federation(
+        c,
+        seed=seed,
+        out=out,
+        parts=parts,
+        eval_x=test_x,
+        eval_y=test_y,
+        engine=engine,
+        eval_every=eval_every,
+        select_from=select_from,
+        checkpoint_every=checkpoint_every,
+    )
+    return trial_record(c, fed, seed=seed, engine=engine)
+
+
+def append_results(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append records as JSON lines in one write (flushed and synced: a finished job is never lost)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a+b") as handle:
         handle.seek(0, os.SEEK_END)
+        prefix = b""
         if handle.tell() > 0:
             handle.seek(-1, os.SEEK_END)
-            if handle.read(1) != b"\n":  # a line cut short must not swallow this one
-                handle.write(b"\n")
-        handle.write((json.dumps(record, sort_keys=True) + "\n").encode("utf-8"))
+            if handle.read(1) != b"\n":  # a line cut short must not swallow these
+                prefix = b"\n"
+        handle.write(prefix + "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
 
 
+def append_result(path: Path, record: dict[str, Any]) -> None:
+    """Append one trial as a JSON line (see :func:`append_results`)."""
+    append_results(path, [record])
+
+
+def row_kind(row: dict[str, Any]) -> str:
+    """A row's kind: 'trial' (a table cell; rows from before the campaign have none), 'tune' or 'prefix-check'."""
+    return str(row.get("kind", KIND_TRIAL))
+
+
 def load_results(path: Path) -> list[dict[str, Any]]:
-    """Every trial in the results file; a line that does not parse is an error naming its number."""
+    """Every row of the results file; a line that does not parse is an error naming its number.
+
+    A last line cut short (no newline at the end of the file: a write interrupted by a crash) is
+    left out with a warning; the next append starts on a new line (:func:`append_results`).
+    """
     if not path.exists():
         return []
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
+            if n == len(lines) and not text.endswith("\n"):
+                log.warning("%s:%d: a last line cut short (%s); left out", path, n, exc)
+                continue
             raise SimulationError(f"{path}:{n}: expected one JSON object per line, found: {exc}") from exc
-        missing = sorted(RESULT_KEYS - set(row)) if isinstance(row, dict) else sorted(RESULT_KEYS)
+        kind = row_kind(row) if isinstance(row, dict) else KIND_TRIAL
+        needed = ROW_KEYS.get(kind)
+        if needed is None:
+            raise SimulationError(f"{path}:{n}: expected a kind among {sorted(ROW_KEYS)}, found {kind!r}")
+        missing = sorted(needed - set(row)) if isinstance(row, dict) else sorted(needed)
         if missing:
-            raise SimulationError(f"{path}:{n}: expected a trial with keys {sorted(RESULT_KEYS)}, missing {missing}")
+            raise SimulationError(f"{path}:{n}: expected a {kind} with keys {sorted(needed)}, missing {missing}")
         rows.append(row)
     return rows
+
+
+# --- the campaign (issue 26): a fixed list of jobs, each appended to the results file when done ---------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job of the campaign; ``key`` names it in the results file (a job is done when its rows are there).
+
+    ``method``: 'gd' (a tuning run), 'gd+renyi' (one Rényi-filter run that also gives the GD row, read at
+    GD's last worst-case step), 'gdp'.
+    """
+
+    kind: str
+    epsilon: float
+    regime: str
+    method: str
+    seed: int
+    tuned: Tuned
+
+    @property
+    def key(self) -> str:
+        t = self.tuned
+        return (
+            f"{self.kind}/{self.regime}/eps={self.epsilon:g}/{self.method}/seed={self.seed}/"
+            f"T0={t.steps},C0={t.clip:g},lr={t.learning_rate:g}"
+        )
+
+    @property
+    def row_methods(self) -> tuple[str, ...]:
+        """The methods of the rows the job appends (all of them: a job with some missing is run again)."""
+        if self.kind == KIND_TRIAL and self.method == "gd+renyi":
+            return ("gd", "renyi")
+        return (self.method,)
+
+
+def prefix_check_job() -> Job:
+    """The campaign's first job: GD run on its own against the Rényi run's prefix (small, minutes)."""
+    return Job(KIND_PREFIX, 0.3, "suboptimal", "gd+renyi", 0, PREFIX_CHECK)
+
+
+def tuning_jobs() -> list[Job]:
+    """Private GD over the grid of issue 26, per epsilon in table order (seed 0; validation split)."""
+    return [
+        Job(KIND_TUNE, eps, "tuned", "gd", 0, Tuned(steps=t0, clip=TUNE_CLIP, learning_rate=lr))
+        for eps in EPSILONS
+        for t0, lr in TUNE_GRID[eps]
+    ]
+
+
+def finished(job: Job, rows: list[dict[str, Any]]) -> bool:
+    """Whether every row ``job`` appends is in ``rows``."""
+    methods = {str(r.get("method")) for r in rows if r.get("job") == job.key}
+    return set(job.row_methods) <= methods
+
+
+def chosen_tuning(rows: list[dict[str, Any]], epsilon: float) -> Tuned | None:
+    """The grid point with the best validation accuracy at ``epsilon`` (earliest in grid order among ties),
+    or None until every grid point of that epsilon has its row."""
+    grid = [j for j in tuning_jobs() if j.epsilon == epsilon]
+    accuracy = {r["job"]: float(r["validation_accuracy"]) for r in rows if row_kind(r) == KIND_TUNE}
+    if any(j.key not in accuracy for j in grid):
+        return None
+    best = max(accuracy[j.key] for j in grid)
+    return next(j.tuned for j in grid if accuracy[j.key] == best)
+
+
+def campaign_jobs(rows: list[dict[str, Any]]) -> list[Job]:
+    """Every job in the order of issue 26: the prefix check; the tuning grid; then, once every grid row is
+    in, seed 0 of the six cells (GD + Rényi in one run, suboptimal first), seeds 1-2, the GDP column."""
+    jobs = [prefix_check_job(), *tuning_jobs()]
+    chosen = {eps: chosen_tuning(rows, eps) for eps in EPSILONS}
+    if any(t is None for t in chosen.values()):
+        return jobs
+    for method, seeds in (("gd+renyi", TRIAL_SEEDS[:1]), ("gd+renyi", TRIAL_SEEDS[1:]), ("gdp", TRIAL_SEEDS)):
+        for seed in seeds:
+            for regime in ("suboptimal", "tuned"):
+                for eps in EPSILONS:
+                    tuned = chosen[eps]
+                    assert tuned is not None
+                    jobs.append(Job(KIND_TRIAL, eps, regime, method, seed, tuned))
+    return jobs
+
+
+def next_job(rows: list[dict[str, Any]]) -> Job | None:
+    """The first job of :func:`campaign_jobs` whose rows are not all in ``rows``."""
+    return next((j for j in campaign_jobs(rows) if not finished(j, rows)), None)
+
+
+def _stamp(job: Job, row: dict[str, Any]) -> dict[str, Any]:
+    t = job.tuned
+    return {
+        **row,
+        "kind": job.kind,
+        "job": job.key,
+        "tuned_steps": t.steps,
+        "tuned_clip": t.clip,
+        "tuned_learning_rate": t.learning_rate,
+    }
+
+
+def run_job(
+    job: Job, *, out: Path, data_dir: Path | None = None, engine: str = "inprocess", train_limit: int | None = None
+) -> list[dict[str, Any]]:
+    """Run ``job`` in the folder ``out`` (new); its rows, ready to append. ``train_limit``: tests only."""
+    if job.kind == KIND_PREFIX:
+        limit = PREFIX_CHECK_RECORDS if train_limit is None else train_limit
+        return [_stamp(job, prefix_check(job, out=out, data_dir=data_dir, engine=engine, train_limit=limit))]
+    if job.kind == KIND_TUNE:
+        return [_stamp(job, tune(job, out=out, data_dir=data_dir, engine=engine, train_limit=train_limit))]
+    gd = cell(job.epsilon, job.regime, "gd", tuned=job.tuned)
+    if gd.steps < 1:
+        raise SimulationError(f"{job.key}: GD affords no full-norm step at these settings; nothing to compare")
+    method = "renyi" if job.method == "gd+renyi" else job.method
+    c = cell(job.epsilon, job.regime, method, tuned=job.tuned)
+    every = gd.steps if job.method == "gd+renyi" else 0
+    parts, test_x, test_y = mnist_silos(CLIENTS, seed=job.seed, data_dir=data_dir, train_limit=train_limit)
+    fed = run_federation(
+        c,
+        seed=job.seed,
+        out=out,
+        parts=parts,
+        eval_x=test_x,
+        eval_y=test_y,
+        engine=engine,
+        select_from=gd.steps,
+        checkpoint_every=every,
+    )
+    filtered = {**trial_record(c, fed, seed=job.seed, engine=engine), "gd_steps": gd.steps}
+    rows = [filtered]
+    if job.method == "gd+renyi":
+        rows.insert(0, gd_from_prefix(gd, fed, filtered, out=out))
+    return [_stamp(job, r) for r in rows]
+
+
+def trial_record(c: Cell, fed: Federation, *, seed: int, engine: str) -> dict[str, Any]:
+    """A table row from a filtered (or GD) federation: the selected and the last step's test accuracy."""
+    summary = fed.summary
+    accuracy = _accuracy_by_round(summary)
+    private = _accuracy_by_round(summary, "train_accuracy_private")
+    last_round = int(summary["rounds_completed"])
+    last = summary["final_metrics"].get("accuracy")
+    selected_step = select_step(private, last_round)
+    selected = accuracy.get(selected_step, last)
+    return {
+        **c.describe(),
+        "seed": seed,
+        "train_records": fed.train_records,
+        "rounds_completed": last_round,
+        "stopped_because": summary.get("stopped_because"),
+        "final_accuracy": selected,
+        "selected_accuracy": selected,
+        "selected_step": selected_step,
+        "last_accuracy": last,
+        "accuracy_by_round": accuracy,
+        "private_train_accuracy_by_round": private,
+        "active_per_round": active_per_round(fed.clients, last_round).tolist(),
+        "privacy": summary["privacy"]["statement"],
+        "engine": engine,
+        "wall_s": fed.wall_s,
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": _machine(),
+    }
+
+
+def _checkpoint(out: Path, rnd: int) -> np.ndarray:
+    path = out / "checkpoints" / f"round_{rnd:05d}.npz"
+    with np.load(path) as saved:
+        return np.asarray(saved["parameters"])
+
+
+def gd_from_prefix(gd: Cell, fed: Federation, filtered: dict[str, Any], *, out: Path) -> dict[str, Any]:
+    """The GD row, read from the filtered run at GD's last worst-case step (its checkpoint there).
+
+    Up to that step no record's filter binds (GD's steps are the full-norm rounds the filter admits,
+    and the private counts start only there), so the filtered run is exactly GD: same model, data,
+    clipped gradients and noise draws. The prefix-check job verifies this once against a separate GD run.
+    """
+    if fed.evaluate is None:
+        raise SimulationError("gd_from_prefix: the federation kept no evaluator")
+    accuracy = float(fed.evaluate(_checkpoint(out, gd.steps))["accuracy"])
+    by_round = {r: a for r, a in filtered["accuracy_by_round"].items() if r < gd.steps}
+    return {
+        **gd.describe(),
+        "seed": filtered["seed"],
+        "train_records": filtered["train_records"],
+        "rounds_completed": gd.steps,
+        "final_accuracy": accuracy,
+        "selected_accuracy": accuracy,
+        "selected_step": gd.steps,
+        "last_accuracy": accuracy,
+        "gd_steps": gd.steps,
+        "accuracy_by_round": {**by_round, gd.steps: accuracy},
+        "active_per_round": filtered["active_per_round"][: gd.steps + 1],
+        "privacy": (
+            f"({gd.epsilon}, {DELTA})-DP per record by worst-case accounting: {gd.steps} full-norm steps at "
+            f"clip {gd.clip:g} and noise std {gd.noise_std:.4g} fit the Rényi filter's threshold"
+        ),
+        "read_from": f"the {filtered['method']} run's prefix at step {gd.steps} (shared run, shared wall time)",
+        "engine": filtered["engine"],
+        "wall_s": filtered["wall_s"],
+        "finished_utc": filtered["finished_utc"],
+        "machine": filtered["machine"],
+    }
+
+
+def prefix_check(job: Job, *, out: Path, data_dir: Path | None, engine: str, train_limit: int) -> dict[str, Any]:
+    """A separate GD run against the Rényi run's checkpoint at GD's last step: the same parameters?"""
+    gd = cell(job.epsilon, job.regime, "gd", tuned=job.tuned)
+    filt = cell(job.epsilon, job.regime, "renyi", tuned=job.tuned)
+    parts, test_x, test_y = mnist_silos(CLIENTS, seed=job.seed, data_dir=data_dir, train_limit=train_limit)
+    common: dict[str, Any] = {"seed": job.seed, "parts": parts, "eval_x": test_x, "eval_y": test_y, "engine": engine}
+    alone = run_federation(gd, out=out / "gd", **common)
+    branch = run_federation(filt, out=out / "renyi", select_from=gd.steps, checkpoint_every=gd.steps, **common)
+    a = np.asarray(alone.summary["parameters"], dtype=np.float64)
+    b = _checkpoint(out / "renyi", gd.steps).astype(np.float64)
+    return {
+        "epsilon": job.epsilon,
+        "regime": job.regime,
+        "method": job.method,
+        "seed": job.seed,
+        "gd_steps": gd.steps,
+        "filtered_steps": int(branch.summary["rounds_completed"]),
+        "clip": gd.clip,
+        "noise_std": gd.noise_std,
+        "learning_rate": gd.learning_rate,
+        "train_records": alone.train_records,
+        "parameters_equal": bool(np.array_equal(a, b)),
+        "max_abs_difference": float(np.max(np.abs(a - b))),
+        "wall_s": round(alone.wall_s + branch.wall_s, 1),
+        "engine": engine,
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": _machine(),
+    }
+
+
+def tune(job: Job, *, out: Path, data_dir: Path | None, engine: str, train_limit: int | None) -> dict[str, Any]:
+    """Private GD at one grid point on the tuning split; its validation accuracy after the last step.
+
+    Tuning's own privacy cost is not accounted (as in FZ): it reads the training records.
+    """
+    c = cell(job.epsilon, job.regime, "gd", tuned=job.tuned)
+    parts, val_x, val_y = tuning_silos(CLIENTS, data_dir=data_dir, train_limit=train_limit)
+    fed = run_federation(
+        c, seed=job.seed, out=out, parts=parts, eval_x=val_x, eval_y=val_y, engine=engine, eval_every=25
+    )
+    validation = _accuracy_by_round(fed.summary)
+    return {
+        **c.describe(),
+        "seed": job.seed,
+        "train_records": fed.train_records,
+        "validation_records": len(val_y),
+        "rounds_completed": int(fed.summary["rounds_completed"]),
+        "validation_accuracy": fed.summary["final_metrics"].get("accuracy"),
+        "validation_by_round": validation,
+        "privacy": "tuning: not accounted (as in FZ); trained on 50,000 training records, validated on 10,000 others",
+        "engine": engine,
+        "wall_s": fed.wall_s,
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": _machine(),
+    }
+
+
+def job_summary(job: Job, rows: list[dict[str, Any]]) -> str:
+    """One line for the log and the commit message: the job's key and its accuracies."""
+    if job.kind == KIND_PREFIX:
+        r = rows[0]
+        return f"{job.key} parameters_equal={r['parameters_equal']} max_abs_difference={r['max_abs_difference']:.3g}"
+    if job.kind == KIND_TUNE:
+        return f"{job.key} validation {100 * rows[0]['validation_accuracy']:.2f}%"
+    parts = [
+        f"{r['method']} {100 * r['final_accuracy']:.2f}%"
+        + (f" (last {100 * r['last_accuracy']:.2f}%)" if r["method"] != "gd" else "")
+        for r in rows
+    ]
+    return f"{job.key} " + ", ".join(parts)
 
 
 def _cell_text(values: Iterable[float]) -> str:
