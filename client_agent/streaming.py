@@ -1,93 +1,72 @@
 """Per-record gradient contributions, streamed chunk by chunk: memory bounded by a chunk, never by n x d.
 
-One fused pass over the records, on the activations and backprops of the model's layers (as in
-the book-keeping method of Bu et al. 2022, "Differentially Private Optimization on Large Model at
-Small Cost", and Opacus's ``grad_sample`` layers and fast gradient clipping). Per chunk,
-:func:`fused_clipped_sum`:
+Isolation by construction (privacy.md §2): every record's forward, loss, backward and validity
+are computed with that record alone, a batch of one through ``functional_call``, run over a block
+of records by ``torch.func.vmap`` (:mod:`client_agent.isolation`). No operator in the owner's model,
+loss or validity rule can see another record, whatever the model does, so a record's contribution
+depends on its own data alone and a stopped record's data reaches only its own zero-weighted rows.
 
-1. one forward, capturing the input ``a`` of every leaf module that owns parameters (forward
-   hooks), and one backward with respect to those modules' outputs (their backprops ``g``; no
-   parameter gradient is formed);
-2. ``nn.Linear`` on (b, in): each record's gradient is the outer product g a^T, its norm
-   ||a|| ||g|| (float64), and its weighted sum over records (w g)^T a is formed in float64 at the
-   end of the chunk (each entry a sum over records of one product each: no cancellation inside
-   a record is possible);
-3. every other layer, per block of records: each record's own gradient of that layer, the
-   *rows* (:class:`_Rows`): ``nn.Linear`` on sequences one bmm g^T a; ``nn.Conv1d``/``nn.Conv2d``
-   (groups 1, zero padding) the backprop times the unfolded input, in cache-sized blocks;
-   ``nn.Embedding`` each token's summed backprop at its first position; any other leaf
-   (``nn.LayerNorm``, ``nn.GroupNorm``, custom) ``torch.func`` vmap over the vjp of that one
-   module. The block's norms (float64, over the rows and the outer products), its weights w_i
-   from the caller (``weights(start, norms)``: Agent.release's clip scale x admitted, each record's
-   from its own norm and its state before the request), then sum_i w_i rows_i in float64.
-
-Each record's norm is computed from exactly the values its weighted contribution is summed from.
-(Ghost norms, the Gram of a and g, are not used: a review found that a record whose per-position
-terms cancel gets a float64 Gram norm that disagrees with a float32 book-keeping sum by 10^4x.)
-
-A model the hooks cannot see completely falls back to vmap(grad) of the whole model per sub-batch:
-the per-record gradients formed for the norms are weighted and summed. Which method runs is
-decided once per request on a data-independent batch. :func:`record_norms` is the fused pass with
-every weight 0; :func:`weighted_gradient_sum` (a weighted backward pass) is the two-pass path's
-second pass, the reference the fused pass is tested against.
+Per block of records, :func:`fused_clipped_sum`: each record's gradient rows (modules of a known
+kind from their input and backprop, :mod:`client_agent.layers`; every other trainable parameter's
+gradient directly), each record's norm from exactly those rows (float64), its weight from the
+caller (``weights(start, norms)``: Agent.release's clip scale x admitted, each record's from its own
+norm and its state before the request), then sum_i w_i rows_i in float64. Which modules are tapped,
+and whether vmap or a loop over records runs, is decided once per request on synthetic records.
 
 Privacy notes (privacy.md §1, §2, §8):
 
 - The null element: a record whose features are not finite, or that the workload's ``valid``
-  rule rejects (e.g. a label the model cannot take), gets zero features, target 0 and weight 0
-  in the loss, so its norm is 0 and its contribution exactly zero. In the sum, a record whose
-  weight is 0, or whose norm is not finite or is 0, enters as exact zeros (a torch.where on its
-  rows, or on its a and g: 0 * inf would be NaN), whatever weight the caller gave it, so every
-  record that contributes anything was charged for it. Nothing is evaluated at a stopped record's
-  zeroed input. The null element's own gradient is checked to be finite once per request (a
+  rule (applied to that record alone) rejects, gets zero features, target 0 and weight 0 in the
+  loss, so its norm is 0 and its contribution exactly zero. In the sum, a record whose weight is 0,
+  or whose norm is not finite or is 0, enters as exact zeros (a torch.where on its rows: 0 * inf
+  would be NaN), whatever weight the caller gave it, so every record that contributes anything was
+  charged for it. The null element's own gradient is checked to be finite once per request (a
   data-independent check); a sum that is still not finite raises :class:`NonFiniteSumError`
   before anything is charged.
-- Float error: the norm is float64 over the released float32 values, the sum float64 products and
-  additions of them, so a record's norm and the norm of what the sum adds for it differ by a few
-  float64 roundings per entry (relative error below d x 2^-52), far inside the declared
-  :data:`NORM_REL_ERROR`; the release clips to bound / (1 + E) and charges norm * scale * (1 + E).
-  The float64 accumulation across records adds at most gamma_n x sum_i (charged norm_i) over n
-  records (gamma_n = n 2^-53 / (1 - n 2^-53): below 10^-11 of the charged total at n = 60,000),
-  not attributed to any record. On CUDA, TF32 is off for the pass.
+- Float error (:data:`NORM_REL_ERROR`): a record's norm is computed from the very float32 values
+  its contribution is summed from; the only error is the norm's own rounding (see the constant);
+  the release clips to bound / (1 + E) and charges norm * scale * (1 + E). The float64
+  accumulation across records adds at most gamma_n x sum_i (charged norm_i) over n records
+  (gamma_n = n 2^-53 / (1 - n 2^-53): below 10^-11 of the charged total at n = 60,000), not
+  attributed to any record. On CUDA, TF32 is off for the pass.
 - The work does not depend on who stopped: every record goes through the same operations; a
   stopped record has weight 0, never a skipped branch.
-- Records must not interact: BatchNorm (and Dropout in training mode) are rejected. A custom leaf
-  module that reads another module's parameters is not seen by the hooks: on the data-independent
-  batch the hooks' gradients are checked against autograd's (relative 1e-3), and a mismatch
-  selects the whole-model fallback for the request.
+- Only trainable parameters (``requires_grad``) are released and charged: a frozen parameter's
+  entries of the sum are exactly zero and enter no norm.
+- BatchNorm and Dropout with p > 0 in training mode are refused (a batch of one has no batch
+  statistics; a random mask per record would not be replayable); ``fedfilter agent check`` names them.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
 from torch import nn
-from torch.func import functional_call, vjp, vmap
+from torch.func import functional_call
 
-from client_agent.gradients import LossFn, check_no_batch_norm, example_gradients_fn
+from client_agent.gradients import LossFn
+from client_agent.isolation import PerRecord, per_record_validity, validity_vmaps
 from protocol.errors import FedfilterError
 
 # Declared relative bound on |a record's norm - ||what the sum adds for it||| / ||what the sum adds||.
-# Both are float64 over the same float32 values (module docstring), so the true difference is a few
-# float64 roundings per entry, below d x 2^-52 (2 x 10^-7 at d = 10^9): 1e-4 is a wide margin.
-NORM_REL_ERROR = 1e-4
-# Floats per sub-batch for the explicit per-record paths (torch.func leaves, the whole-model
-# fallback): 2^25 floats is 128 MiB in float32, 256 MiB in float64.
+# The sum adds w_i x (the record's float32 rows), each product rounded once in float64 (2^-53); the
+# norm is layers.base.squared_norms over the same rows: float32 sums of squares over runs of at most
+# 64 entries, so the squared norm's relative error is at most gamma_66 = 66 u / (1 - 66 u) with
+# u = 2^-24 (64 squares, 63 additions, the run's sqrt and its float64 square; Higham, "Accuracy and
+# Stability of Numerical Algorithms", Lemma 3.1 and Sec. 3.1), 3.934e-6, and the norm's at most
+# 1 - sqrt(1 - gamma_66) = 1.967e-6 (the float64 accumulation of runs adds below 10^-12). Linear's
+# outer rows (||a|| ||g|| in float64 over float32 factors) are exact to float64 rounding. 4e-6 is
+# twice the bound; tests/unit/test_isolation.py derives it again and checks observed errors below it.
+NORM_REL_ERROR = 4e-6
+# Floats of per-record rows per block of records: 2^25 floats is 128 MiB in float32.
 _EXPLICIT_FLOATS = 1 << 25
-_SYNTHETIC = 3  # records in the data-independent batch that chooses the method
-_SUM_RECORDS = 64  # records of rows converted to float64 at a time for the weighted sum
-_BLOCK_ROWS = 256  # rows per block for materialised rows: float64 temporaries of a few MB
-# Floats per block of records for the convolutions' norms (patches and per-record gradients of a
-# block): 2^19 floats is 2 MiB in float32, about what stays in a core's cache.
-_BLOCK_FLOATS = 1 << 19
+_BLOCK_ROWS = 256  # rows per block for materialised rows (RowContributions): float64 temporaries of a few MB
 
 
 class NonFiniteSumError(FedfilterError, ArithmeticError):
@@ -146,20 +125,26 @@ def _as_tensor(v: Any) -> torch.Tensor:
 
 
 def _chunk_tensors(
-    x: Any, y: Any, keep: torch.Tensor | None, *, valid: Validity | None, device: torch.device
+    x: Any,
+    y: Any,
+    keep: torch.Tensor | None,
+    *,
+    valid: Validity | None,
+    device: torch.device,
+    valid_vmaps: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x, y, weight) on ``device``: records not ``valid`` (or not in ``keep``) become the null element.
 
-    Validity is decided on the source's side (``valid`` sees the chunk as the source gave it, its
-    own dtype and device; finiteness is also checked after the conversion to float32 / int64),
-    then the chunk moves to ``device``. The same torch.where on every record: zero features, zero
-    target, weight 0.
+    Validity is decided on the source's side, for each record alone (``valid`` sees one record as
+    the source gave it, its own dtype and device, :func:`client_agent.isolation.per_record_validity`;
+    finiteness is also checked after the conversion to float32 / int64), then the chunk moves to
+    ``device``. The same torch.where on every record: zero features, zero target, weight 0.
     """
     x0, y0 = batch_tensor(x), batch_tensor(y)
     xt, yt = _as_tensor(x0), _as_tensor(y0)
     usable = finite_records(xt, yt)
     if valid is not None:  # on the source's own values: a float64 label 2.0000001 is not rounded to class 2 first
-        usable &= valid(x0, y0).to(usable.device)
+        usable &= per_record_validity(valid, x0, y0, vmapped=valid_vmaps).to(usable.device)
     if keep is not None:
         usable &= keep.to(usable.device)
     xt, yt, usable = xt.to(device), yt.to(device), usable.to(device)
@@ -176,13 +161,6 @@ def _on_device(model: nn.Module, device: torch.device) -> nn.Module:
     return copy.deepcopy(model).to(device)
 
 
-def _leaves(model: nn.Module, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Detached copies of the parameters that require grad (the model's own are left untouched), and buffers."""
-    params = {name: p.detach().to(device).requires_grad_(True) for name, p in model.named_parameters()}
-    buffers = {name: b.detach().to(device) for name, b in model.named_buffers()}
-    return params, buffers
-
-
 def _losses(loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     losses = loss_fn(outputs, y)
     b = y.shape[0]
@@ -193,447 +171,14 @@ def _losses(loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor) -> torch.Te
 
 
 def check_model(model: nn.Module) -> None:
-    """Reject models whose records interact (BatchNorm) or whose two passes would differ (Dropout in training)."""
-    check_no_batch_norm(model)
-    dropout = nn.modules.dropout._DropoutNd
-    dropouts = [name for name, m in model.named_modules() if isinstance(m, dropout) and m.training]
-    if dropouts:
-        raise ValueError(
-            f"model: Dropout in training mode is not supported for per-record norms (its masks differ "
-            f"between the passes), found {dropouts}; call model.eval()"
-        )
-
-
-# -- per-record rows: each layer's per-record gradient, exactly the values that are released ------
-
-
-@dataclass
-class _Rows:
-    """A block of records' gradients of one module's own parameters: their norms are taken from these
-    values, and their weighted sum is what is released, so the two cannot disagree.
-
-    ``tensors``: local parameter name -> (B, ...) rows; ``to_param``: maps a summed row to the
-    parameter's layout (a convolution's rows are in patch order); ``index`` (embeddings): the
-    token id of each row position, (B, T), the rows being (B, T, dim) with each token's gradient
-    at its first position in the record and zeros at its repeats.
-    """
-
-    tensors: dict[str, torch.Tensor]
-    to_param: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
-    index: torch.Tensor | None = None
-
-    def sq(self, b: int, device: torch.device) -> torch.Tensor:
-        """Each record's squared norm over these rows, float64 (B,), by :func:`_squared_norms`."""
-        out = torch.zeros(b, dtype=torch.float64, device=device)
-        for t in self.tensors.values():
-            out += _squared_norms(t.reshape(b, -1))
-        return out
-
-    def add(self, wk: torch.Tensor, keep: torch.Tensor, view: Callable[[str], torch.Tensor]) -> None:
-        """view(name) += sum_i wk_i rows_i; a record outside ``keep`` enters as exact zeros.
-
-        The rows are zeroed in place outside ``keep`` (the same masked fill on every record: a
-        non-finite row times 0 would be NaN), then summed weighted in float64, a run of
-        :data:`_SUM_RECORDS` records converted at a time (small enough to stay in cache): each
-        product is exact to float64 rounding, and including or leaving out a record changes the
-        rounding of the others' sum by float64 amounts only (a float32 sum of a run would let it move
-        by about 2^-24 of the run's total, which a tiny record's charge does not cover).
-        """
-        for name, t in self.tensors.items():
-            t.masked_fill_(~keep.reshape(-1, *([1] * (t.ndim - 1))), 0.0)
-            if self.index is not None:
-                weighted = t.to(torch.float64) * wk.reshape(-1, *([1] * (t.ndim - 1)))
-                view(name).index_add_(0, self.index.reshape(-1), weighted.reshape(-1, t.shape[-1]))
-                continue
-            flat = t.reshape(t.shape[0], -1)
-            summed = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
-            for i in range(0, flat.shape[0], _SUM_RECORDS):
-                summed += torch.mv(flat[i : i + _SUM_RECORDS].t().to(torch.float64), wk[i : i + _SUM_RECORDS])
-            summed_shaped = summed.view(t.shape[1:])
-            view(name).add_(self.to_param[name](summed_shaped) if name in self.to_param else summed_shaped)
-
-
-def _squared_norms(flat: torch.Tensor) -> torch.Tensor:
-    """Each row's squared L2 norm, float64 (B,), with a relative error below 2^-17.
-
-    Float32 sums of squares over runs of at most 64 entries (relative error at most gamma_65 =
-    65 x 2^-24 / (1 - 65 x 2^-24), about 3.9e-6: every term is >= 0, so no cancellation), the runs
-    accumulated in float64: as fast as a float32 norm, and rigorously inside NORM_REL_ERROR (a
-    float32 norm over the whole row has the bound gamma_d, above 1e-4 from d = 1,700). A row too
-    short or oddly sized for runs of 8 or more is summed in float64 directly. (Entries below 2^-63
-    in magnitude may underflow when squared in float32: an absolute error below sqrt(d) 2^-74 in
-    the norm, far below any noise.)
-    """
-    b, d = flat.shape
-    run = 64
-    while run >= 8 and d % run:
-        run //= 2
-    if run < 8:
-        out: torch.Tensor = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
-        return out
-    runs: torch.Tensor = torch.linalg.vector_norm(flat.reshape(b, d // run, run), dim=2)
-    return runs.to(torch.float64).square().sum(dim=1)
-
-
-Pair = tuple[int, int]
-
-
-def _conv_geometry(
-    m: nn.Conv1d | nn.Conv2d, a: torch.Tensor, g: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, Pair, Pair, Pair, Pair]:
-    """A Conv1d as a Conv2d of height 1: the input and output gradient with a height axis, and the
-    kernel size, dilation, padding and stride as pairs (numeric padding: string padding falls back)."""
-    if isinstance(m, nn.Conv1d):
-        pad = cast(tuple[int], m.padding)
-        return a.unsqueeze(2), g.unsqueeze(2), (1, m.kernel_size[0]), (1, m.dilation[0]), (0, pad[0]), (1, m.stride[0])
-    pad2 = cast(Pair, m.padding)
-    k, d, s = cast(Pair, m.kernel_size), cast(Pair, m.dilation), cast(Pair, m.stride)
-    return a, g, k, d, pad2, s
-
-
-def _is_outer(m: nn.Module, a: torch.Tensor) -> bool:
-    """``nn.Linear`` on (b, in): each record's gradient g a^T is an outer product, its norm ||a|| ||g||."""
-    return isinstance(m, nn.Linear) and a.is_floating_point() and a.ndim == 2
-
-
-def _outer_sq(m: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """||g a^T||^2 = ||a||^2 ||g||^2 (+ ||g||^2 for the bias), float64 (b,): no sum over positions."""
-    a_sq = torch.linalg.vector_norm(a, dim=1, dtype=torch.float64).square()
-    g_sq = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square()
-    sq: torch.Tensor = a_sq * g_sq
-    if m.bias is not None:
-        sq = sq + g_sq
-    return sq
-
-
-def _outer_sum(
-    m: nn.Linear, a: torch.Tensor, g: torch.Tensor, wk: torch.Tensor, keep: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """sum_i wk_i g_i a_i^T (and sum_i wk_i g_i), float64: each entry a sum over records of one product each."""
-    gw = _rows_where(keep, g).to(torch.float64) * wk.unsqueeze(1)
-    out = {"weight": torch.mm(gw.t(), _rows_where(keep, a).to(torch.float64))}
-    if m.bias is not None:
-        out["bias"] = gw.sum(dim=0)
-    return out
-
-
-def _linear_rows(m: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> _Rows:
-    """``nn.Linear`` on sequences (b, ..., in): each record's sum over positions of g_t a_t^T, one bmm."""
-    b = a.shape[0]
-    a3, g3 = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
-    rows = {"weight": torch.bmm(g3.transpose(1, 2), a3)}
-    if m.bias is not None:
-        rows["bias"] = g3.sum(dim=1)
-    return _Rows(rows)
-
-
-def _conv_supported(m: nn.Module, a: torch.Tensor) -> bool:
-    if not isinstance(m, nn.Conv1d | nn.Conv2d) or isinstance(m, nn.modules.conv._ConvTransposeNd):
-        return False
-    spatial = 1 if isinstance(m, nn.Conv1d) else 2
-    return m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str) and a.ndim == spatial + 2
-
-
-def _patches(
-    a: torch.Tensor,
-    k: tuple[int, int],
-    d: tuple[int, int],
-    p: tuple[int, int],
-    s: tuple[int, int],
-) -> torch.Tensor:
-    """The unfolded input (b, L, k C): each patch's features in (kernel row, column, channel) order.
-
-    The input is copied once channels-last, then one strided copy gathers the patches with each
-    channel run contiguous (faster than the (C, k) order of ``F.unfold``).
-    """
-    padded = nn.functional.pad(a, (p[1], p[1], p[0], p[0]))
-    b, c, h, w = padded.shape
-    oh, ow = (h - d[0] * (k[0] - 1) - 1) // s[0] + 1, (w - d[1] * (k[1] - 1) - 1) // s[1] + 1
-    last = torch.empty((b, h, w, c), dtype=a.dtype, device=a.device)
-    last.copy_(padded.permute(0, 2, 3, 1))
-    sb, sh, sw, sc = last.stride()
-    view = last.as_strided((b, oh, ow, k[0], k[1], c), (sb, sh * s[0], sw * s[1], sh * d[0], sw * d[1], sc))
-    return view.reshape(b, oh * ow, c * k[0] * k[1])
-
-
-def _conv_rows(m: nn.Conv1d | nn.Conv2d, a: torch.Tensor, g: torch.Tensor) -> _Rows:
-    """Each record's convolution weight gradient: its backprop (C_out, L) times its unfolded input (L, C k).
-
-    One batched matmul per block of about :data:`_BLOCK_FLOATS` floats of patches and rows, so that
-    a block stays in cache (an unblocked chunk is memory-bound, several times slower). The rows
-    are in patch order; ``to_param`` permutes a summed row to the weight's (C_out, C, *kernel).
-    """
-    b = a.shape[0]
-    a2, g2, k, d, p, s = _conv_geometry(m, a, g)
-    c_in, c_out = a2.shape[1], g2.shape[1]
-    positions, inputs = g2.shape[2] * g2.shape[3], c_in * k[0] * k[1]
-    gb = g2.reshape(b, c_out, positions)
-    weight = torch.empty(b, c_out, inputs, dtype=a.dtype, device=a.device)
-    step = max(1, _BLOCK_FLOATS // (inputs * (positions + c_out)))
-    for i in range(0, b, step):
-        torch.bmm(gb[i : i + step], _patches(a2[i : i + step], k, d, p, s), out=weight[i : i + step])
-    shape = m.weight.shape
-
-    def to_param(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(c_out, k[0], k[1], c_in).permute(0, 3, 1, 2).reshape(shape)
-
-    rows = {"weight": weight}
-    if m.bias is not None:
-        rows["bias"] = gb.sum(dim=2)
-    return _Rows(rows, {"weight": to_param})
-
-
-def _embedding_supported(m: nn.Module) -> bool:
-    return isinstance(m, nn.Embedding) and m.max_norm is None and not m.scale_grad_by_freq
-
-
-def _embedding_rows(m: nn.Embedding, idx: torch.Tensor, g: torch.Tensor) -> _Rows:
-    """Each record's embedding gradient as (T, dim) rows: at each token's first position, the sum of its
-    positions' backprops; zeros at its repeats (the padding index gets no gradient).
-
-    Per record, a stable sort of the ids groups each token's positions (the first of a group is
-    the token's first position), a scatter-add sums each group, and a scatter puts each sum back at
-    the first position: memory linear in T (a T x T equality matrix would take T^2 per record).
-    """
-    b = idx.shape[0]
-    idx2 = idx.reshape(b, -1)
-    g3 = g.reshape(b, idx2.shape[1], -1)
-    if m.padding_idx is not None:
-        g3 = torch.where((idx2 != m.padding_idx).unsqueeze(-1), g3, torch.zeros((), dtype=g3.dtype, device=g3.device))
-    ids, order = idx2.sort(dim=1, stable=True)
-    starts = torch.ones_like(ids, dtype=torch.bool)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    group = (starts.cumsum(dim=1) - 1).unsqueeze(-1).expand_as(g3)
-    wide = order.unsqueeze(-1).expand_as(g3)
-    sums = torch.zeros_like(g3).scatter_add_(1, group, g3.gather(1, wide))
-    at_start = torch.where(
-        starts.unsqueeze(-1), sums.gather(1, group), torch.zeros((), dtype=g3.dtype, device=g3.device)
-    )
-    rows = torch.zeros_like(g3).scatter_(1, wide, at_start)
-    return _Rows({"weight": rows}, index=idx2)
-
-
-def _module_rows(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> _Rows:
-    """Any other leaf (``nn.LayerNorm``, ``nn.GroupNorm``, custom): torch.func vmap over the vjp of that one module."""
-    params = {name: p.detach() for name, p in m.named_parameters(recurse=False)}
-    per_record = max(1, sum(p.numel() for p in params.values()))
-
-    def one(ai: torch.Tensor, gi: torch.Tensor) -> dict[str, torch.Tensor]:
-        pull = vjp(lambda p: functional_call(m, p, (ai.unsqueeze(0),)), params)[1]
-        (grads,) = pull(gi.unsqueeze(0))
-        return cast(dict[str, torch.Tensor], grads)
-
-    step = max(1, _EXPLICIT_FLOATS // per_record)
-    parts = [vmap(one)(a[i : i + step], g[i : i + step]) for i in range(0, a.shape[0], step)]
-    return _Rows({name: torch.cat([part[name] for part in parts]) for name in params})
-
-
-def _rows_of(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> _Rows:
-    if isinstance(m, nn.Linear) and a.is_floating_point():
-        return _linear_rows(m, a, g)
-    if _conv_supported(m, a):
-        return _conv_rows(m, a, g)  # type: ignore[arg-type]
-    if _embedding_supported(m):
-        return _embedding_rows(m, a, g)  # type: ignore[arg-type]
-    return _module_rows(m, a, g)
-
-
-def _row_floats(m: nn.Module, a: torch.Tensor) -> int:
-    """Floats of one record's rows of ``m``: its own parameters, or (T, dim) for an embedding."""
-    if _embedding_supported(m):
-        return max(1, a[0].numel()) * cast(nn.Embedding, m).embedding_dim
-    return sum(p.numel() for p in m.parameters(recurse=False))
-
-
-def _rows_where(keep: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``t`` for the records in ``keep``, exact zeros for the others: the same torch.where on every record."""
-    return torch.where(keep.reshape(-1, *([1] * (t.ndim - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
-
-
-class _Unsupported(Exception):
-    """The hooks cannot see this model completely: use the whole-model fallback."""
-
-
-@dataclass
-class _Capture:
-    """Forward hooks on the leaf modules that own parameters: each call's input and output."""
-
-    modules: list[nn.Module]
-    calls: dict[int, list[tuple[torch.Tensor, torch.Tensor, int, int]]] = field(default_factory=dict)
-    problem: str = ""
-    active: bool = False
-
-    def hook(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        if not self.active:
-            return
-        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
-            self.problem = f"{type(m).__name__} called with other than one tensor in and one tensor out"
-            return
-        self.calls.setdefault(id(m), []).append((args[0], out, args[0]._version, out._version))
-
-
-def _hooked_modules(model: nn.Module) -> list[nn.Module]:
-    """The leaf modules that own parameters; raises _Unsupported if some parameter is owned elsewhere."""
-    owners: dict[int, str] = {}
-    modules = []
-    for name, m in model.named_modules(remove_duplicate=False):
-        own = [p for p in m._parameters.values() if p is not None]
-        if not own:
-            continue
-        if any(True for _ in m.children()):
-            raise _Unsupported(f"module {name!r} owns parameters and has children")
-        for p in own:
-            if id(p) in owners and owners[id(p)] != name:
-                raise _Unsupported(f"parameter shared by {owners[id(p)]!r} and {name!r}")
-            owners[id(p)] = name
-        if m not in modules:
-            modules.append(m)
-    if any(id(p) not in owners for p in model.parameters()):
-        raise _Unsupported("a parameter is not owned by a leaf module")
-    return modules
-
-
-Captured = list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
-
-
-def _hooked_chunk(
-    model: nn.Module,
-    loss_fn: LossFn,
-    capture: _Capture,
-    leaves: dict[str, torch.Tensor],
-    buffers: dict[str, torch.Tensor],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    w: torch.Tensor,
-    *,
-    check: bool,
-) -> Captured:
-    """One chunk's (module, a, g) for every module with parameters that the loss reaches.
-
-    One forward, one backward with respect to the modules' outputs (no parameter gradient, except
-    on a ``check`` batch, which also validates the hooks against autograd).
-    """
-    capture.calls.clear()
-    capture.problem = ""
-    capture.active = True
-    try:
-        total = (_losses(loss_fn, functional_call(model, (leaves, buffers), (x,)), y) * w).sum()
-    finally:
-        capture.active = False
-    if capture.problem:
-        raise _Unsupported(capture.problem)
-    seen = [(m, capture.calls.get(id(m), [])) for m in capture.modules]
-    if any(len(calls) > 1 for _, calls in seen):
-        raise _Unsupported("a module with parameters is called more than once per forward")
-    used = [(m, calls[0]) for m, calls in seen if calls]
-    for _, (a, out, va, vo) in used:
-        if a._version != va or out._version != vo:
-            raise _Unsupported("a module's input or output is modified in place")
-        if a.ndim == 0 or out.ndim == 0 or a.shape[0] != x.shape[0] or out.shape[0] != x.shape[0]:
-            # An input shared by the batch (a learned offset on a constant, positional embeddings on
-            # arange(T)): its backprop sums every record's, so it has no per-record rows here.
-            raise _Unsupported("a module with parameters takes or gives other than one row per record")
-    outs = [out for _, (_, out, _, _) in used]
-    wanted = outs + (list(leaves.values()) if check else [])
-    grads = torch.autograd.grad(total, wanted, allow_unused=True) if wanted else ()
-    captured: Captured = [
-        (m, a.detach(), g.detach())
-        for (m, (a, _out, _, _)), g in zip(used, grads[: len(outs)], strict=True)
-        if g is not None  # None: the module's output does not reach the loss, its gradient is 0
-    ]
-    if check:
-        _check_hooks(model, used, grads[: len(outs)], dict(zip(leaves, grads[len(outs) :], strict=True)))
-    capture.calls.clear()
-    return captured
-
-
-def _check_hooks(
-    model: nn.Module,
-    used: Sequence[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor, int, int]]],
-    out_grads: Sequence[torch.Tensor | None],
-    autograd_grads: dict[str, torch.Tensor | None],
-) -> None:
-    """The batch gradient the hooked calls imply must be autograd's: else a parameter is used unseen."""
-    implied: dict[int, torch.Tensor] = {}
-    for (m, (a, _, _, _)), g in zip(used, out_grads, strict=True):
-        params = {name: p.detach() for name, p in m.named_parameters(recurse=False)}
-        if g is None:
-            continue
-        pull = vjp(lambda p, m=m, a=a: functional_call(m, p, (a.detach(),)), params)[1]
-        (grads,) = pull(g.detach())
-        for name, p in m.named_parameters(recurse=False):
-            implied[id(p)] = grads[name]
-    names = dict(model.named_parameters())
-    for name, got in autograd_grads.items():
-        want = implied.get(id(names[name]))
-        want = torch.zeros_like(names[name]) if want is None else want
-        got = torch.zeros_like(want) if got is None else got
-        scale = float(want.double().norm() + got.double().norm())
-        if not float((want.double() - got.double()).norm()) <= 1e-3 * scale + 1e-30:
-            raise _Unsupported(f"parameter {name!r} gets gradient the module hooks do not see")
-
-
-def _checked_capture(
-    model: nn.Module,
-    loss_fn: LossFn,
-    leaves: dict[str, torch.Tensor],
-    buffers: dict[str, torch.Tensor],
-    x: torch.Tensor,
-    y: torch.Tensor,
-) -> _Capture | None:
-    """Hooks on the model's leaf modules if they see every parameter's gradient, else None (the fallback).
-
-    Decided once per request on a data-independent batch (:data:`_SYNTHETIC` records of seeded
-    standard-normal features, zeros for integer features, target 0, of the chunk's shapes), never
-    on a record: which method runs, and so how long it takes, says nothing about the data. The
-    hooks must see every parameter's gradient (against autograd's batch gradient), one row per
-    record at every module, and each record's norm must be its per-example gradient's (against
-    vmap(grad), relative 1e-3): a module that mixes records selects the fallback.
-    """
-    try:
-        capture = _Capture(_hooked_modules(model))
-    except _Unsupported:
-        return None
-    shape = (_SYNTHETIC, *x.shape[1:])
-    if x.is_floating_point():
-        xs = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(x.device, x.dtype)
-    else:
-        xs = torch.zeros(shape, dtype=x.dtype, device=x.device)
-    ys = torch.zeros((_SYNTHETIC, *y.shape[1:]), dtype=y.dtype, device=y.device)
-    handles = [m.register_forward_hook(capture.hook, with_kwargs=True) for m in capture.modules]
-    ones = torch.ones(_SYNTHETIC, device=x.device)
-    try:
-        captured = _hooked_chunk(model, loss_fn, capture, leaves, buffers, xs, ys, ones, check=True)
-        sq = torch.zeros(_SYNTHETIC, dtype=torch.float64, device=x.device)
-        for m, a, g in captured:
-            sq += _outer_sq(cast(nn.Linear, m), a, g) if _is_outer(m, a) else _rows_of(m, a, g).sq(_SYNTHETIC, x.device)
-    except _Unsupported:
-        return None
-    finally:
-        for h in handles:
-            h.remove()
-    # Each record's norm from the hooks must be its own (autograd's per-example gradient): a module
-    # that mixes records passes the batch-gradient check above but not this one.
-    want = torch.cat([part for _, _, part in _per_example_rows(model, loss_fn, xs, ys, ones)]).sqrt()
-    got = sq.sqrt()
-    if not bool((torch.abs(got - want) <= 1e-3 * want + 1e-30).all()):
-        return None
-    return capture
-
-
-def _per_example_rows(
-    model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
-) -> Iterator[tuple[int, dict[str, torch.Tensor], torch.Tensor]]:
-    """vmap(grad) rows of the whole model, per sub-batch of bounded memory: (offset, rows, squared norms)."""
-    grads_fn, params = example_gradients_fn(model, loss_fn, x.device)
-    d = max(1, sum(p.numel() for p in params.values()))
-    step = max(1, _EXPLICIT_FLOATS // d)
-    for i in range(0, x.shape[0], step):
-        grads = grads_fn(params, x[i : i + step], y[i : i + step], w[i : i + step])
-        sq = torch.zeros(min(step, x.shape[0] - i), dtype=torch.float64, device=x.device)
-        for g in grads.values():
-            sq = sq + g.reshape(g.shape[0], -1).double().square().sum(dim=1)
-        yield i, grads, sq
+    """Refuse what the per-record engine cannot run (client_agent.workload_check.model_problems): BatchNorm (a
+    record alone has no batch statistics), Dropout or attention dropout with p > 0 in training mode (a random
+    mask per record is neither reproducible nor replayable); p = 0 or eval mode is fine."""
+    from client_agent.workload_check import model_problems
+
+    problems = model_problems(model)
+    if problems:
+        raise ValueError("model: " + "; ".join(problems))
 
 
 def record_norms(
@@ -700,62 +245,6 @@ class _Weigher:
         return torch.where(keep, wt, torch.zeros((), dtype=wt.dtype, device=self.device)), keep
 
 
-def _fallback_chunk(
-    model: nn.Module,
-    loss_fn: LossFn,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    usable: torch.Tensor,
-    weigh: _Weigher,
-    start: int,
-    view: Callable[[str], torch.Tensor],
-) -> torch.Tensor:
-    """The whole-model fallback, fused: per sub-batch, vmap(grad) rows, their norms, weights, weighted sum (float64)."""
-    parts = []
-    for i, grads, sq in _per_example_rows(model, loss_fn, x, y, usable):
-        norms = sq.sqrt()
-        wk, keep = weigh(start + i, norms)
-        for name, g in grads.items():
-            view(name).add_(torch.tensordot(wk, _rows_where(keep, g).to(torch.float64), dims=1))
-        parts.append(norms)
-    return torch.cat(parts)
-
-
-def _hooked_sum(
-    captured: Captured, b: int, weigh: _Weigher, start: int, view: Callable[[nn.Module, str], torch.Tensor]
-) -> torch.Tensor:
-    """One chunk's norms and weighted sum from its captured (a, g): rows per block of records, then the outer products.
-
-    Per block of records: each non-``_is_outer`` module's per-record rows (:class:`_Rows`), the
-    records' norms (with the outer modules' ||a|| ||g||), their weights, and the rows' weighted
-    sum. After the blocks, the outer modules' weighted sums (w g)^T a in float64.
-    """
-    device = captured[0][1].device if captured else torch.device("cpu")
-    outer = [(m, a, g) for m, a, g in captured if _is_outer(m, a)]
-    rowed = [(m, a, g) for m, a, g in captured if not _is_outer(m, a)]
-    sq_outer = torch.zeros(b, dtype=torch.float64, device=device)
-    for m, a, g in outer:
-        sq_outer += _outer_sq(cast(nn.Linear, m), a, g)
-    step = max(1, _EXPLICIT_FLOATS // max(1, sum(_row_floats(m, a) for m, a, _ in rowed))) if rowed else max(1, b)
-    norms = torch.empty(b, dtype=torch.float64, device=device)
-    wk_all = torch.empty(b, dtype=torch.float64, device=device)
-    keep_all = torch.empty(b, dtype=torch.bool, device=device)
-    for i in range(0, b, step):
-        blocks = [(m, _rows_of(m, a[i : i + step], g[i : i + step])) for m, a, g in rowed]
-        sq = sq_outer[i : i + step].clone()
-        for _, rows in blocks:
-            sq += rows.sq(sq.shape[0], device)
-        norms[i : i + step] = sq.sqrt()
-        wk, keep = weigh(start + i, norms[i : i + step])
-        for m, rows in blocks:
-            rows.add(wk, keep, functools.partial(view, m))
-        wk_all[i : i + step], keep_all[i : i + step] = wk, keep
-    for m, a, g in outer:
-        for local, grad in _outer_sum(cast(nn.Linear, m), a, g, wk_all, keep_all).items():
-            view(m, local).add_(grad)
-    return norms
-
-
 @contextmanager
 def _full_precision(device: torch.device) -> Iterator[None]:
     """Float32 matmuls and convolutions in full float32 on CUDA (TF32 off) for the duration of a pass."""
@@ -783,14 +272,14 @@ def fused_clipped_sum(
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], str]:
     """One pass: each record's gradient norm, and sum_i w_i g_i with the weights ``weights`` gives from the norms.
 
-    Returns (norms float64 (n,), the sum float64 (d,), the method: "hooks" or "fallback"). Per
-    chunk: one forward, one backward with respect to the hooked modules' outputs, then
-    :func:`_hooked_sum` (each record's norm from the very values its weighted contribution is
-    summed from); the fallback (``hooks`` off, or a model the hooks cannot see, decided on a
-    data-independent batch) forms per-record gradients by vmap(grad) per sub-batch and weights
-    those. A record with weight 0, a non-finite or a zero norm (a null record included)
-    contributes exact zeros; a sum that is still not finite (or a null element whose gradient is
-    not) raises :class:`NonFiniteSumError`. Memory is bounded by one chunk.
+    Returns (norms float64 (n,), the sum float64 (d,) over every parameter, frozen ones exactly 0,
+    the method: :attr:`client_agent.isolation.Plan.method`). Per block of records: each record's
+    rows computed with that record alone (:class:`client_agent.isolation.PerRecord`), its norm from
+    exactly those rows, the block's weights, the rows' weighted sum. ``hooks`` off: every gradient
+    taken directly (no layer kind), the reference the kinds are tested against. A record with weight
+    0, a non-finite or a zero norm (a null record included) contributes exact zeros; a sum that is
+    still not finite (or a null element whose gradient is not) raises :class:`NonFiniteSumError`.
+    Memory is bounded by one chunk and one block of rows.
     """
     check_model(model)
     chunk_size = _chunk_size(chunk_size)
@@ -798,56 +287,60 @@ def fused_clipped_sum(
     model = _on_device(model, dev)
     n = len(source)
     norms_out = torch.empty(n, dtype=torch.float64)
-    leaves, buffers = _leaves(model, dev)
-    total = torch.zeros(sum(p.numel() for p in leaves.values()), dtype=torch.float64, device=dev)
+    engine = PerRecord(model, loss_fn, dev)
+    total = torch.zeros(sum(p.numel() for p in engine.params.values()), dtype=torch.float64, device=dev)
     views: dict[str, torch.Tensor] = {}
     offset = 0
-    for name, p in leaves.items():
+    for name, p in engine.params.items():
         views[name] = total[offset : offset + p.numel()].view(p.shape)
         offset += p.numel()
-    full_names = {id(p): name for name, p in model.named_parameters()}
 
-    def module_view(m: nn.Module, local: str) -> torch.Tensor:
-        return views[full_names[id(m._parameters[local])]]
+    def view_of(module: str | None) -> Callable[[str], torch.Tensor]:
+        if module is None:  # the direct parameters' rows are keyed by full names
+            return views.__getitem__
+        prefix = f"{module}." if module else ""
+        return lambda local: views[prefix + local]
 
     weigh = _Weigher(weights, n, dev)
-    capture: _Capture | None = None
-    handles: list[Any] = []
+    method = ""
+    valid_vmaps = True
     with _full_precision(dev):
-        try:
-            start = 0
-            first = True
-            for xb, yb in source.batches(chunk_size):
-                x, y, usable = _chunk_tensors(xb, yb, None, valid=valid, device=dev)
-                if first:  # data-independent: the null element, then the method, on synthetic records
-                    _check_null_element(model, loss_fn, leaves, buffers, x[:1], y[:1])
-                    capture = _checked_capture(model, loss_fn, leaves, buffers, x, y) if hooks else None
-                    if capture is not None:
-                        handles = [m.register_forward_hook(capture.hook, with_kwargs=True) for m in capture.modules]
-                    first = False
-                if capture is not None:
-                    try:
-                        captured = _hooked_chunk(model, loss_fn, capture, leaves, buffers, x, y, usable, check=False)
-                    except _Unsupported as exc:  # the model's structure depends on its input
-                        raise ValueError(f"model: its forward changed structure between chunks ({exc})") from None
-                    norms = _hooked_sum(captured, x.shape[0], weigh, start, module_view)
-                    del captured
-                else:
-                    norms = _fallback_chunk(model, loss_fn, x, y, usable, weigh, start, views.__getitem__)
-                norms_out[start : start + len(norms)] = norms.detach().cpu()
-                start += len(norms)
-        finally:
-            for h in handles:
-                h.remove()
+        start = 0
+        for xb, yb in source.batches(chunk_size):
+            if not method:  # data-independent: the plan, then the null element, on synthetic records
+                xs, ys = _as_tensor(batch_tensor(xb)).to(dev), _as_tensor(batch_tensor(yb)).to(dev)
+                plan = engine.decide(xs, ys)
+                if not hooks:
+                    plan = engine.plan = engine.direct_plan()
+                method = plan.method
+                if valid is not None:
+                    valid_vmaps = validity_vmaps(valid, batch_tensor(xb), batch_tensor(yb))
+                leaves = {name: p.detach().requires_grad_(True) for name, p in engine.params.items()}
+                _check_null_element(model, loss_fn, leaves, engine.buffers, xs[:1], ys[:1])
+            x, y, usable = _chunk_tensors(xb, yb, None, valid=valid, device=dev, valid_vmaps=valid_vmaps)
+            step = max(1, _EXPLICIT_FLOATS // engine.row_floats())
+            for i in range(0, x.shape[0], step):
+                blocks = engine.rows(x[i : i + step], y[i : i + step], usable[i : i + step])
+                b = min(step, x.shape[0] - i)
+                sq = torch.zeros(b, dtype=torch.float64, device=dev)
+                for _, rows in blocks:
+                    sq += rows.sq(b, dev)
+                norms = sq.sqrt()
+                wk, keep = weigh(start + i, norms)
+                for module, rows in blocks:
+                    rows.add(wk, keep, view_of(module))
+                norms_out[start + i : start + i + b] = norms.detach().cpu()
+                del blocks
+            start += x.shape[0]
     if start != n or weigh.next != n:
         raise ValueError(f"source: expected {n} records from batches(), got {start}")
     out = total.cpu().numpy()
     if not np.isfinite(out).all():
         raise NonFiniteSumError(f"the clipped gradient sum over {len(views)} tensors is not finite")
-    return norms_out.numpy(), out, "hooks" if capture is not None else "fallback"
+    return norms_out.numpy(), out, method or "none"
 
 
-# -- pass 2 of the two-pass path (the reference; Contributions.weighted_sum) -------------------------
+# -- a batched weighted backward: the reference for models whose records do not mix (tests only) -----
 
 
 def weighted_gradient_sum(
@@ -861,7 +354,9 @@ def weighted_gradient_sum(
     chunk_size: int = 1024,
     device: str = "cpu",
 ) -> NDArray[np.float64]:
-    """The two-pass path's second pass: sum_i weights_i g_i, float64 (d,), one weighted backward pass per chunk.
+    """sum_i weights_i g_i, float64 (d,), one weighted backward pass per *batch*: the independent reference the
+    isolated engine is tested against on models whose records do not mix. Never on a release path: a
+    batched forward lets a model that mixes records (a batch mean) make one record's data move another's.
 
     A record outside ``keep`` (and any null record) is the null element: zero features, label 0,
     weight 0, by the same torch.where on every record. Raises :class:`NonFiniteSumError` if the
@@ -875,7 +370,8 @@ def weighted_gradient_sum(
     keep_all = np.ones(n, dtype=np.bool_) if keep is None else np.asarray(keep, dtype=np.bool_)
     dev = torch.device(device)
     model = _on_device(model, dev)
-    leaves, buffers = _leaves(model, dev)
+    leaves = {name: p.detach().to(dev).requires_grad_(True) for name, p in model.named_parameters()}
+    buffers = {name: b.detach().to(dev) for name, b in model.named_buffers()}
     names = list(leaves)
     sizes = [p.numel() for p in leaves.values()]
     total = torch.zeros(sum(sizes), dtype=torch.float64, device=dev)
@@ -1103,16 +599,20 @@ class StreamedGradients:
         device: str = "cpu",
         hooks: bool = True,
     ) -> None:
-        """``hooks`` (the default, and the agent's path): the fused pass on the activations and backprops
-        the module hooks capture (:func:`_hooked_sum`); off, or for a model the hooks cannot see,
-        each record's whole gradient by vmap(grad) per sub-batch. Either way a record's norm and its
-        weighted contribution come from the same values, and memory stays bounded by a chunk."""
+        """``hooks`` (the default, and the agent's path): modules of a known layer kind get their rows from
+        their per-record input and backprop; off, every per-record gradient is taken directly. Either
+        way each record is computed alone, its norm and its weighted contribution come from the same
+        values, and memory stays bounded by a chunk."""
         check_model(model)
         self.model, self.loss_fn, self.source = model, loss_fn, source
         self.valid, self.chunk_size, self.device = valid, _chunk_size(chunk_size), device
         self.hooks = hooks
         self.n_units = len(source)
         self.dim = sum(p.numel() for p in model.parameters())
+        # The flat layout's trainable entries (protocol.models.trainable_mask): frozen ones are released as 0.
+        self.trainable = np.concatenate(
+            [np.full(p.numel(), p.requires_grad, dtype=np.bool_) for p in model.parameters()] or [np.zeros(0, bool)]
+        )
         self.method = ""
         self._norms: NDArray[np.float64] | None = None
         self._scales: NDArray[np.float64] | None = None
@@ -1172,17 +672,20 @@ class StreamedGradients:
         return total
 
     def weighted_sum(self, weights: NDArray[Any]) -> NDArray[np.float64]:
+        """sum_i weights_i x (scaled record i): the same isolated pass with fixed weights (the two-pass path)."""
         scales = np.ones(self.n_units) if self._scales is None else self._scales
-        return weighted_gradient_sum(
+        fixed = np.where(self._sendable(), scales * np.asarray(weights, dtype=np.float64), 0.0)
+        _, total, _ = fused_clipped_sum(
             self.model,
             self.loss_fn,
             self.source,
-            scales * np.asarray(weights, dtype=np.float64),
-            keep=self._sendable(),
+            lambda start, norms: fixed[start : start + norms.size],
             valid=self.valid,
             chunk_size=self.chunk_size,
             device=self.device,
+            hooks=self.hooks,
         )
+        return total
 
 
 def contributions_of(rows_or_contributions: Contributions | NDArray[np.float32]) -> Contributions:

@@ -41,9 +41,10 @@ def classification_records(x: torch.Tensor, y: torch.Tensor, model: nn.Module | 
     ok = finite_features(x, y)
     if model is None:
         return ok
-    with torch.no_grad():
-        classes = int(model(torch.zeros_like(x[:1], dtype=torch.float32)).shape[-1])
-    labels = y.reshape(len(y), -1)[:, 0] if y.ndim > 1 else y
+    with torch.no_grad():  # zeros of one record's shape, not derived from x: one forward, whatever the batch
+        kind = torch.float32 if x.is_floating_point() else torch.int64  # as the agent's engine feeds the model
+        classes = int(model(torch.zeros((1, *x.shape[1:]), dtype=kind, device=x.device)).shape[-1])
+    labels = y.reshape(y.shape[0], -1)[:, 0] if y.ndim > 1 else y
     whole = labels == torch.floor(labels) if labels.is_floating_point() else torch.ones_like(ok)
     return ok & whole & (labels >= 0) & (labels < classes)
 

@@ -1,0 +1,435 @@
+"""Each record's forward, loss and backward computed with that record alone: isolation by construction.
+
+The per-record engine (:mod:`client_agent.streaming`) never runs the owner's model, loss or
+validity rule on a batch of records. :func:`per_record` wraps one function of *one* record (a
+batch of one through ``functional_call``) and runs it over a block of records with
+``torch.func.vmap`` (or, for a model vmap cannot run, a loop over the records calling the very same
+function). vmap computes exactly what the function gives for each record on its own: no operator in
+the owner's code (a batch mean, a batch maximum, attention across the batch) can see another
+record, so a record's contribution, and whether it counts as the null element, depend on that
+record's data alone, and a stopped record's data reaches nothing but its own (zero-weighted) rows
+(privacy.md §2). A forward that depends on data through Python control flow cannot run under vmap
+at all (it raises), and the choice between vmap and the loop is made on synthetic records, never
+on data.
+
+Inside the per-record function, forward hooks on the modules of a known layer kind
+(:mod:`client_agent.layers`) record each module's input ``a`` and add a zero *probe* to its output:
+the gradient with respect to the probe is the record's backprop ``g`` at that module, from which
+the kind forms the record's parameter gradient (no parameter gradient is formed for those modules).
+Every other trainable parameter's per-record gradient is taken directly (``grad`` with respect to
+it). :func:`plan_for` decides, structurally and on synthetic records only, which modules are tapped:
+a module of a known kind, its parameters its own, called exactly once per record with one tensor in
+and one out; the plan's per-record gradients are then checked against the direct gradient of every
+parameter on those synthetic records (a module whose parameters are also used outside its own
+forward would fail this; the direct path is used instead). That check is a correctness diagnostic
+only: whatever the plan, every value comes from one record's own computation.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from client_agent.layers import DenseRows, LayerKind, Rows, kind_of
+from protocol.errors import FedfilterError
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Validity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+SYNTHETIC = 3  # records in the data-independent batch that decides the plan
+_CHECK_RTOL = 1e-3  # the plan's gradients against the direct ones, on the synthetic records
+
+
+class StructureError(FedfilterError, ValueError):
+    """The model's forward differs from what its plan saw on the synthetic records (a structural change)."""
+
+
+@dataclass(frozen=True)
+class Tapped:
+    """A module whose per-record gradient its layer kind forms from its input and its output's backprop."""
+
+    name: str
+    module: nn.Module
+    kind: LayerKind
+    out_shape: tuple[int, ...]  # one record's output of the module (as that record's forward sees it)
+    dtype: torch.dtype
+    released: tuple[str, ...]  # its local parameter names that are trainable (frozen ones are not released)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What runs for one model and one record shape; decided from structure and synthetic records only.
+
+    ``vmapped``: records in a block run under vmap (else a loop over records of the same function).
+    ``tapped``: modules whose rows their kind forms; ``direct``: trainable parameters whose
+    per-record gradients are taken directly; together exactly the trainable parameters.
+    """
+
+    vmapped: bool
+    tapped: tuple[Tapped, ...]
+    direct: tuple[str, ...]
+    trainable: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def method(self) -> str:
+        """``rows`` (kinds' rows, any rest direct), ``direct`` (every gradient direct); ``+loop`` without vmap."""
+        base = "rows" if self.tapped else "direct"
+        return base if self.vmapped else f"{base}+loop"
+
+
+@dataclass
+class _Tap:
+    """The forward hooks: in ``shape`` mode they count calls and shapes; in ``tap`` mode they record inputs and
+    add probes."""
+
+    modules: dict[int, int]  # id(module) -> its index among the candidates
+    mode: str = ""
+    probes: list[torch.Tensor] = field(default_factory=list)
+    inputs: list[torch.Tensor | None] = field(default_factory=list)
+    calls: list[int] = field(default_factory=list)
+    shapes: list[tuple[tuple[int, ...], torch.dtype] | None] = field(default_factory=list)
+    single: list[bool] = field(default_factory=list)
+    tapped: frozenset[int] = frozenset()
+
+    def reset(self, n: int) -> None:
+        self.inputs = [None] * n
+        self.calls = [0] * n
+        self.shapes = [None] * n
+        self.single = [True] * n
+
+    def hook(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        k = self.modules.get(id(m))
+        if k is None or not self.mode:
+            return None
+        self.calls[k] += 1
+        one_tensor = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+        if not one_tensor or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            self.single[k] = False
+            return None
+        if self.mode == "shape":
+            self.shapes[k] = (tuple(out.shape), out.dtype)
+            return None
+        if k not in self.tapped:
+            return None
+        if self.calls[k] != 1:
+            raise StructureError(f"model: module {k} was called more than once for one record")
+        # A copy: the owner's forward may modify the input in place after the module read it.
+        self.inputs[k] = args[0].detach().clone()
+        return out + self.probes[k]
+
+
+def _candidates(model: nn.Module, trainable: set[str]) -> list[tuple[str, nn.Module, LayerKind]]:
+    """Modules of a known kind whose parameters are their own (not shared), appearing once in the model."""
+    owners: dict[int, set[str]] = {}
+    seen: dict[int, int] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        seen[id(m)] = seen.get(id(m), 0) + 1
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(name)
+    out = []
+    for name, m in model.named_modules():
+        kind = kind_of(m)
+        own = [p for p in m._parameters.values() if p is not None]
+        if kind is None or not own or seen[id(m)] != 1 or any(len(owners[id(p)]) != 1 for p in own):
+            continue
+        if not any(f"{name}.{local}" in trainable for local, p in m._parameters.items() if p is not None):
+            continue  # all frozen: nothing to release from it
+        out.append((name, m, kind))
+    return out
+
+
+def synthetic_records(x: torch.Tensor, y: torch.Tensor, n: int = SYNTHETIC) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` data-independent records of ``x``'s and ``y``'s per-record shapes and dtypes: seeded standard
+    normal float features, zero integer features, zero targets."""
+    shape = (n, *x.shape[1:])
+    if x.is_floating_point():
+        xs = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(x.device, x.dtype)
+    else:
+        xs = torch.zeros(shape, dtype=x.dtype, device=x.device)
+    return xs, torch.zeros((n, *y.shape[1:]), dtype=y.dtype, device=y.device)
+
+
+class PerRecord:
+    """The per-record function of one model and loss, and how to run it over a block of records."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device) -> None:
+        self.model, self.loss_fn, self.device = model, loss_fn, device
+        named = dict(model.named_parameters())
+        self.trainable = tuple(n for n, p in named.items() if p.requires_grad)
+        self.params = {n: p.detach().to(device) for n, p in named.items()}
+        self.buffers = {n: b.detach().to(device) for n, b in model.named_buffers()}
+        self.candidates = _candidates(model, set(self.trainable))
+        self.tap = _Tap({id(m): k for k, (_, m, _) in enumerate(self.candidates)})
+        self.plan: Plan | None = None
+
+    @contextmanager
+    def _hooks(self) -> Iterator[None]:
+        """The tap's forward hooks on the candidate modules, for the duration of one pass."""
+        handles = [m.register_forward_hook(self.tap.hook, with_kwargs=True) for _, m, _ in self.candidates]
+        try:
+            yield
+        finally:
+            self.tap.mode = ""
+            for h in handles:
+                h.remove()
+
+    # -- the function of one record -----------------------------------------------------------
+
+    def _one(
+        self,
+        probes: list[torch.Tensor],
+        direct: dict[str, torch.Tensor],
+        xi: torch.Tensor,
+        yi: torch.Tensor,
+        wi: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """w_i x loss of record i alone (a batch of one), and the tapped modules' inputs."""
+        assert self.plan is not None
+        self.tap.reset(len(self.candidates))
+        self.tap.probes = [torch.zeros(0)] * len(self.candidates)
+        for k, t in zip(self._tapped_index, probes, strict=True):
+            self.tap.probes[k] = t
+        self.tap.tapped = frozenset(self._tapped_index)
+        self.tap.mode = "tap"
+        try:
+            out = functional_call(self.model, ({**self.params, **direct}, self.buffers), (xi.unsqueeze(0),))
+            losses = self.loss_fn(out, yi.unsqueeze(0))
+        finally:
+            self.tap.mode = ""
+        _check_losses(losses)
+        inputs = []
+        for k in self._tapped_index:
+            a = self.tap.inputs[k]
+            if a is None or self.tap.calls[k] != 1 or not self.tap.single[k]:
+                raise StructureError("model: a tapped module was not called once with one tensor for this record")
+            inputs.append(a)
+        return losses.sum() * wi, inputs
+
+    @property
+    def _tapped_index(self) -> list[int]:
+        assert self.plan is not None
+        names = [t.name for t in self.plan.tapped]
+        return [k for k, (name, _, _) in enumerate(self.candidates) if name in names]
+
+    def _probes(self) -> list[torch.Tensor]:
+        assert self.plan is not None
+        return [torch.zeros(t.out_shape, dtype=t.dtype, device=self.device) for t in self.plan.tapped]
+
+    def gradients(
+        self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[torch.Tensor]]:
+        """For a block of records: each tapped module's per-record backprops (B, *out), the direct parameters'
+        per-record gradients (B, *shape), and the tapped modules' per-record inputs (B, *in)."""
+        assert self.plan is not None
+        direct = {n: self.params[n] for n in self.plan.direct}
+        fn = grad(self._one, argnums=(0, 1), has_aux=True)
+        probes = self._probes()
+        with self._hooks():
+            return self._run(fn, probes, direct, x, y, w)
+
+    def _run(
+        self,
+        fn: Callable[..., Any],
+        probes: list[torch.Tensor],
+        direct: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        w: torch.Tensor,
+    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[torch.Tensor]]:
+        assert self.plan is not None
+        if self.plan.vmapped:
+            (g_probe, g_direct), inputs = vmap(fn, in_dims=(None, None, 0, 0, 0), randomness="error")(
+                probes, direct, x, y, w
+            )
+            return list(g_probe), dict(g_direct), list(inputs)
+        parts = [fn(probes, direct, x[i], y[i], w[i]) for i in range(x.shape[0])]
+        stack = torch.stack
+        g_probe = [stack([p[0][0][k] for p in parts]) for k in range(len(probes))]
+        g_direct = {n: stack([p[0][1][n] for p in parts]) for n in direct}
+        inputs = [stack([p[1][k] for p in parts]) for k in range(len(probes))]
+        return g_probe, g_direct, inputs
+
+    def rows(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> list[tuple[str | None, Rows]]:
+        """A block's per-record rows: (the tapped module's name, its rows), then (None, the direct parameters')."""
+        assert self.plan is not None
+        g_probe, g_direct, inputs = self.gradients(x, y, w)
+        out: list[tuple[str | None, Rows]] = []
+        for t, g, a in zip(self.plan.tapped, g_probe, inputs, strict=True):
+            rows = t.kind.rows(t.module, a, g)
+            local = {n for n, p in t.module._parameters.items() if p is not None}
+            rows.drop(frozenset(local - set(t.released)))
+            out.append((t.name, rows))
+        if g_direct:
+            out.append((None, DenseRows(g_direct)))
+        return out
+
+    def row_floats(self) -> int:
+        """Floats of one record's rows, over every tapped module and direct parameter (sizes the blocks)."""
+        assert self.plan is not None
+        total = sum(self.params[n].numel() for n in self.plan.direct)
+        for t in self.plan.tapped:
+            total += sum(p.numel() for p in t.module.parameters(recurse=False))
+        return max(1, total)
+
+    # -- the plan: structural, decided on synthetic records ----------------------------------------
+
+    def decide(self, x: torch.Tensor, y: torch.Tensor) -> Plan:
+        """The plan for records of ``x``'s and ``y``'s shapes, decided on synthetic records only."""
+        xs, ys = synthetic_records(x, y)
+        ws = torch.ones(xs.shape[0], device=self.device)
+        notes: list[str] = []
+        try:
+            vmapped = True
+            try:
+                shapes = self._shape_pass(xs, ys, vmapped=True)
+            except Exception as exc:  # vmap cannot run this model: the same function in a loop
+                notes.append(f"vmap cannot run the model ({type(exc).__name__}): records run one at a time")
+                vmapped = False
+                shapes = self._shape_pass(xs, ys, vmapped=False)
+            tapped = []
+            for k, (name, m, kind) in enumerate(self.candidates):
+                if self.tap.calls[k] == 1 and self.tap.single[k] and shapes[k] is not None:
+                    shape, dtype = shapes[k]  # type: ignore[misc]
+                    released = tuple(
+                        local
+                        for local, p in m._parameters.items()
+                        if p is not None and f"{name}.{local}" in self.trainable
+                    )
+                    tapped.append(Tapped(name, m, kind, shape, dtype, released))
+            plan = self._plan(vmapped, tapped, notes)
+            if tapped:
+                self.plan = plan
+                try:
+                    ok = self._agrees_with_direct(xs, ys, ws)
+                except StructureError:
+                    ok = False
+                if not ok:
+                    notes.append("a tapped module's parameters are also used outside it: every gradient taken directly")
+                    plan = self._plan(vmapped, [], notes)
+            self.plan = plan
+            return plan
+        finally:
+            self.tap.mode = ""
+
+    def direct_plan(self) -> Plan:
+        """The decided plan with no tapped module: every trainable parameter's gradient taken directly."""
+        assert self.plan is not None
+        return self._plan(self.plan.vmapped, [], list(self.plan.notes))
+
+    def _plan(self, vmapped: bool, tapped: list[Tapped], notes: list[str]) -> Plan:
+        owned = {f"{t.name}.{local}" for t in tapped for local in t.released}
+        direct = tuple(n for n in self.trainable if n not in owned)
+        return Plan(vmapped, tuple(tapped), direct, self.trainable, tuple(notes))
+
+    def _shape_pass(
+        self, xs: torch.Tensor, ys: torch.Tensor, *, vmapped: bool
+    ) -> list[tuple[tuple[int, ...], torch.dtype] | None]:
+        """Each candidate's per-record output shape and calls, from the per-record forward on synthetic records."""
+
+        def forward(params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            self.tap.reset(len(self.candidates))
+            self.tap.mode = "shape"
+            try:
+                out = functional_call(self.model, ({**self.params, **params}, self.buffers), (xi.unsqueeze(0),))
+                losses = self.loss_fn(out, yi.unsqueeze(0))
+            finally:
+                self.tap.mode = ""
+            return _check_losses(losses).sum()
+
+        # Under grad, as the real pass runs: some operators batch only there (nn.LSTM's autograd path).
+        trainable = {n: self.params[n] for n in self.trainable}
+        with self._hooks():
+            if vmapped:
+                vmap(grad(forward), in_dims=(None, 0, 0), randomness="error")(trainable, xs, ys)
+            else:
+                grad(forward)(trainable, xs[0], ys[0])
+        return list(self.tap.shapes)
+
+    def _agrees_with_direct(self, xs: torch.Tensor, ys: torch.Tensor, ws: torch.Tensor) -> bool:
+        """The plan's per-record gradients against the direct gradient of every trainable parameter."""
+        assert self.plan is not None
+        planned = self.plan
+        released = {t.name: t.released for t in planned.tapped}
+        blocks = self.rows(xs, ys, ws)
+        n = xs.shape[0]
+        got: dict[str, list[torch.Tensor]] = {name: [] for name in self.trainable}
+        for r in range(n):
+            one_hot = torch.zeros(n, dtype=torch.float64, device=self.device)
+            one_hot[r] = 1.0
+            for name, rows in blocks:
+                prefix = f"{name}." if name else ""  # the root module's parameters have no prefix
+                locals_ = planned.direct if name is None else released[name]
+                targets = {
+                    local: torch.zeros_like(self.params[prefix + local], dtype=torch.float64) for local in locals_
+                }
+                _add_copy(rows, one_hot, one_hot > 0, targets)
+                for local, t in targets.items():
+                    got[prefix + local].append(t.reshape(-1).cpu())
+        self.plan = self._plan(planned.vmapped, [], [])
+        try:
+            _, want, _ = self.gradients(xs, ys, ws)
+        finally:
+            self.plan = planned
+        for name in self.trainable:
+            g = torch.stack(got[name])
+            e = want[name].reshape(n, -1).double().cpu()
+            scale = float(e.norm() + g.norm())
+            if not float((g - e).norm()) <= _CHECK_RTOL * scale + 1e-30:
+                return False
+        return True
+
+
+def _add_copy(rows: Rows, wk: torch.Tensor, keep: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
+    """``rows.add`` into ``targets`` on a copy (``add`` zeroes the rows outside ``keep`` in place)."""
+    clone = copy.copy(rows)
+    if isinstance(clone, DenseRows):
+        clone.tensors = {k: v.clone() for k, v in clone.tensors.items()}
+    clone.add(wk, keep, targets.__getitem__)
+
+
+def _check_losses(losses: Any) -> torch.Tensor:
+    if not isinstance(losses, torch.Tensor) or tuple(losses.shape) != (1,):
+        got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise ValueError(
+            f"loss_fn: expected per-example losses of shape (1,) for one record (reduction='none'), got {got}"
+        )
+    return losses
+
+
+def per_record_validity(valid: Validity, x: torch.Tensor, y: torch.Tensor, *, vmapped: bool) -> torch.Tensor:
+    """``valid`` applied to each record alone (a batch of one): under vmap, or in a loop over the records."""
+
+    def one(xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        out = valid(xi.unsqueeze(0), yi.unsqueeze(0))
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"valid: expected one bool per record, got {got} for one record")
+        return out.reshape(()).to(torch.bool)
+
+    if x.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    if vmapped:
+        result: torch.Tensor = vmap(one, randomness="error")(x, y)
+        return result
+    return torch.stack([one(x[i], y[i]) for i in range(x.shape[0])])
+
+
+def validity_vmaps(valid: Validity, x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``valid`` runs under vmap, decided on synthetic records of ``x``'s and ``y``'s shapes and dtypes."""
+    xs, ys = synthetic_records(x, y)
+    try:
+        per_record_validity(valid, xs, ys, vmapped=True)
+    except Exception:  # any failure: the loop, which runs the same function
+        return False
+    return True
+
+
+__all__ = ["SYNTHETIC", "PerRecord", "Plan", "StructureError", "per_record_validity", "synthetic_records"]

@@ -1,0 +1,125 @@
+"""The interface of a layer kind and the per-record rows every kind produces.
+
+A layer kind (:class:`LayerKind`) turns one module's per-record input ``a`` and per-record
+backprop ``g`` into that record's gradient of the module's own parameters (:class:`Rows`). Both
+``a`` and ``g`` come from a forward and backward computed with that record alone
+(:mod:`client_agent.isolation`); a kind only does the algebra. Each record's norm is taken from
+exactly the values its weighted contribution is summed from (:meth:`Rows.sq`, :meth:`Rows.add`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+_SUM_RECORDS = 64  # records of rows converted to float64 at a time for the weighted sum
+View = Callable[[str], torch.Tensor]
+
+
+class LayerKind(Protocol):
+    """One kind of module whose per-record gradient is formed from its input and its output's backprop."""
+
+    name: str
+
+    def supports(self, m: nn.Module) -> bool:
+        """Structural: the module's type and settings, never a value."""
+        ...
+
+    def rows(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> Rows:
+        """Records' gradients of ``m``'s own parameters from ``a`` (B, *input) and ``g`` (B, *output).
+
+        ``a`` and ``g`` are per record as that record's own forward saw them: (B, 1, ...) for a
+        batch of one, (B, ...) for an input the record does not batch (positional ids).
+        """
+        ...
+
+    def row_floats(self, m: nn.Module, a_shape: tuple[int, ...]) -> int:
+        """Floats of one record's rows of ``m`` for per-record inputs of shape ``a_shape`` (without B)."""
+        ...
+
+
+class Rows(Protocol):
+    """A block of records' gradients of one module's parameters."""
+
+    def sq(self, b: int, device: torch.device) -> torch.Tensor:
+        """Each record's squared norm over these rows, float64 (B,)."""
+        ...
+
+    def add(self, wk: torch.Tensor, keep: torch.Tensor, view: View) -> None:
+        """view(name) += sum_i wk_i rows_i (float64); a record outside ``keep`` enters as exact zeros."""
+        ...
+
+    def drop(self, names: frozenset[str]) -> None:
+        """Forget the rows of these local parameter names (frozen parameters are neither released nor charged)."""
+        ...
+
+
+@dataclass
+class DenseRows:
+    """Materialised rows: local parameter name -> (B, ...) per-record gradients.
+
+    ``to_param`` maps a summed row to the parameter's layout (a convolution's rows are in patch
+    order); ``index`` (embeddings): the token id of each row position, (B, T), the rows being
+    (B, T, dim) with each token's gradient at its first position in the record, zeros at repeats.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    to_param: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    index: torch.Tensor | None = None
+
+    def drop(self, names: frozenset[str]) -> None:
+        self.tensors = {k: v for k, v in self.tensors.items() if k not in names}
+
+    def sq(self, b: int, device: torch.device) -> torch.Tensor:
+        out = torch.zeros(b, dtype=torch.float64, device=device)
+        for t in self.tensors.values():
+            out += squared_norms(t.reshape(b, -1))
+        return out
+
+    def add(self, wk: torch.Tensor, keep: torch.Tensor, view: View) -> None:
+        """The rows are zeroed in place outside ``keep`` (the same masked fill on every record: a non-finite
+        row times 0 would be NaN), then summed weighted in float64, a run of :data:`_SUM_RECORDS` records
+        converted at a time: each product is exact to float64 rounding, and including or leaving out a
+        record changes the rounding of the others' sum by float64 amounts only."""
+        for name, t in self.tensors.items():
+            t.masked_fill_(~keep.reshape(-1, *([1] * (t.ndim - 1))), 0.0)
+            if self.index is not None:
+                weighted = t.to(torch.float64) * wk.reshape(-1, *([1] * (t.ndim - 1)))
+                view(name).index_add_(0, self.index.reshape(-1), weighted.reshape(-1, t.shape[-1]))
+                continue
+            flat = t.reshape(t.shape[0], -1)
+            summed = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
+            for i in range(0, flat.shape[0], _SUM_RECORDS):
+                summed += torch.mv(flat[i : i + _SUM_RECORDS].t().to(torch.float64), wk[i : i + _SUM_RECORDS])
+            shaped = summed.view(t.shape[1:])
+            view(name).add_(self.to_param[name](shaped) if name in self.to_param else shaped)
+
+
+def squared_norms(flat: torch.Tensor) -> torch.Tensor:
+    """Each row's squared L2 norm, float64 (B,), with a relative error below 2^-17.
+
+    Float32 sums of squares over runs of at most 64 entries (relative error at most gamma_65 =
+    65 x 2^-24 / (1 - 65 x 2^-24), about 3.9e-6: every term is >= 0, so no cancellation), the runs
+    accumulated in float64 (Higham, "Accuracy and Stability of Numerical Algorithms", Sec. 3.1). A
+    row too short or oddly sized for runs of 8 or more is summed in float64 directly. (Entries below
+    2^-63 in magnitude may underflow when squared in float32: an absolute error below sqrt(d) 2^-74
+    in the norm, far below any noise.)
+    """
+    b, d = flat.shape
+    run = 64
+    while run >= 8 and d % run:
+        run //= 2
+    if run < 8:
+        out: torch.Tensor = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
+        return out
+    runs: torch.Tensor = torch.linalg.vector_norm(flat.reshape(b, d // run, run), dim=2)
+    return runs.to(torch.float64).square().sum(dim=1)
+
+
+def rows_where(keep: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` for the records in ``keep``, exact zeros for the others: the same torch.where on every record."""
+    return torch.where(keep.reshape(-1, *([1] * (t.ndim - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))

@@ -1,0 +1,211 @@
+"""Owner workloads for the isolation audit (tests/unit/test_isolation_audit.py): three that mix records when
+run on a batch, and non-mixing controls on every layer path of the per-record engine.
+
+Each is an ordinary workload (protocol.workload.Workload) that an agent TOML could name, e.g.
+``workload = "tests.isolation_workloads:CENTRED"``. The mixing ones are the issue-22 findings:
+
+- ``CENTRED``: squared error against batch-centred targets (the loss subtracts the batch's mean target);
+- ``RESCALE``: features divided by the batch's largest magnitude when it exceeds a threshold that the
+  request's ``model_args`` choose (a coordinator can keep a synthetic batch below it and real data above);
+- ``EMB_CENTRED``: token embeddings centred over the batch before pooling.
+
+Run on a batch, each lets one record's data move another record's contribution; run on each record
+alone (client_agent.isolation), the mean of a batch of one is that record.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from protocol.workload import DataSource, Workload
+
+FEATURES = 6
+CLASSES = 3
+TOKENS, VOCAB = 8, 20
+
+
+def _data(path: Path) -> DataSource:
+    from client_agent.data_sources import open_source
+
+    return open_source(path)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(FEATURES, 5), nn.Tanh(), nn.Linear(5, 2))
+
+
+def centred_mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Squared error against targets centred over the batch: mixes records."""
+    t = targets.to(outputs.dtype).reshape(outputs.shape)
+    return ((outputs - (t - t.mean(dim=0, keepdim=True))) ** 2).sum(dim=1)
+
+
+def plain_mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return ((outputs - targets.to(outputs.dtype).reshape(outputs.shape)) ** 2).sum(dim=1)
+
+
+class BatchRescale(nn.Module):
+    """Divides the features by the batch's largest magnitude when it exceeds ``threshold`` (a model argument)."""
+
+    def __init__(self, threshold: float = 3.0) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.body = nn.Sequential(nn.Linear(FEATURES, 5), nn.Tanh(), nn.Linear(5, CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        peak = x.abs().amax()
+        scale = torch.where(peak > self.threshold, peak, torch.ones_like(peak))
+        return self.body(x / scale)
+
+
+class EmbeddingCentred(nn.Module):
+    """Token embeddings centred over the batch, then mean-pooled: mixes records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 4)
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.emb(x)
+        return self.head((e - e.mean(dim=0, keepdim=True)).mean(dim=1))
+
+
+# -- non-mixing controls, one per layer path ---------------------------------------------------------
+
+
+class SeqLinear(nn.Module):
+    """Linear on sequences (b, T, in): the per-record bmm rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 4)
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.lin(x.reshape(x.shape[0], 3, 2))).mean(dim=1))
+
+
+class Convs(nn.Module):
+    """Conv2d then Conv1d on (b, 6) features seen as (b, 1, 2, 3) and (b, 2, 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c2 = nn.Conv2d(1, 4, (2, 2), padding=1)
+        self.c1 = nn.Conv1d(4, 2, 2, stride=2)
+        self.head = nn.Linear(2 * 6, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.c2(x.reshape(x.shape[0], 1, 2, 3)))  # (b, 4, 3, 4)
+        h = torch.relu(self.c1(h.reshape(h.shape[0], 4, 12)))  # (b, 2, 6)
+        return self.head(h.flatten(1))
+
+
+class Norms(nn.Module):
+    """LayerNorm and GroupNorm: parameters whose per-record gradients are taken directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(FEATURES, 8)
+        self.ln = nn.LayerNorm(8)
+        self.gn = nn.GroupNorm(2, 8)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.gn(self.ln(self.a(x)))))
+
+
+class Tokens(nn.Module):
+    """Embedding (repeated tokens) then a Linear on the mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 4)
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x).mean(dim=1))
+
+
+class Recurrent(nn.Module):
+    """An embedding into an LSTM or a GRU, the last state into a Linear."""
+
+    def __init__(self, cell: str = "lstm") -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 4)
+        self.rnn = (nn.LSTM if cell == "lstm" else nn.GRU)(4, 5, batch_first=True)
+        self.head = nn.Linear(5, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.emb(x))
+        return self.head(h[:, -1])
+
+
+class Attention(nn.Module):
+    """Token and positional embeddings, one multi-head self-attention, mean-pooled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.pos = nn.Embedding(TOKENS, 8)
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        out, _ = self.att(h, h, h, need_weights=False)
+        return self.head(out.mean(dim=1))
+
+
+class Borrowed(nn.Module):
+    """A parameter used outside its module's forward: every gradient taken directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(FEATURES, 4)
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.a(x))) + 0.1 * torch.sin(x @ self.a.weight.t()).sum(dim=1, keepdim=True)
+
+
+CE = functools.partial(F.cross_entropy, reduction="none")
+
+
+def _ce(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return CE(outputs, targets.long())
+
+
+def _valid(x: torch.Tensor, y: torch.Tensor, model: Any = None) -> torch.Tensor:
+    from protocol.workload import finite_features
+
+    return finite_features(x, y, model)
+
+
+CENTRED = Workload(name="centred", models={"mlp": _mlp}, loss=centred_mse, data=_data, valid=_valid)
+RESCALE = Workload(name="rescale", models={"rescale": BatchRescale}, loss=_ce, data=_data, valid=_valid)
+EMB_CENTRED = Workload(name="emb_centred", models={"emb": EmbeddingCentred}, loss=_ce, data=_data, valid=_valid)
+REGRESSION = Workload(name="regression", models={"mlp": _mlp}, loss=plain_mse, data=_data, valid=_valid)
+CONTROLS = Workload(
+    name="controls",
+    models={
+        "linear": lambda: nn.Sequential(nn.Linear(FEATURES, 5), nn.ReLU(), nn.Linear(5, CLASSES)),
+        "seq_linear": SeqLinear,
+        "conv": Convs,
+        "norms": Norms,
+        "tokens": Tokens,
+        "lstm": functools.partial(Recurrent, "lstm"),
+        "gru": functools.partial(Recurrent, "gru"),
+        "attention": Attention,
+        "borrowed": Borrowed,
+    },
+    loss=_ce,
+    data=_data,
+    valid=_valid,
+)
