@@ -578,6 +578,8 @@ class Agent:
             )
             active_after = ~stopped
             noise = self.rng(request).normal(0.0, sigma, units.dim) if self.config.trust == "local" else None
+            if noise is not None and isinstance(units, StreamedGradients):
+                noise = np.where(units.trainable, noise, 0.0)  # frozen entries are not released: exact zeros
         else:
             assert self.realisation is not None
             if not isinstance(units, RowContributions):  # realised losses need the rows: client units only

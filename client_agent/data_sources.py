@@ -257,7 +257,9 @@ class IdxSource:
 class TorchDatasetSource:
     """A user's torch ``Dataset`` (map-style, with ``__len__``) or ``IterableDataset`` with a declared length.
 
-    Each item is an ``(x, y)`` pair; a batch stacks them. The fingerprint hashes every record's
+    Each item is an ``(x, y)`` pair, or a mapping with the keys ``"x"`` and ``"y"`` (other keys are
+    ignored); each of x and y a tensor, an array or a number. A batch stacks them. Anything else is an
+    error naming the item and what was expected. The fingerprint hashes every record's
     bytes, shape and dtype in order (one pass of batches). An iterable dataset that yields another
     number of records than declared is an error (the count is public and fixes the ledger's units).
     """
@@ -301,7 +303,8 @@ class TorchDatasetSource:
         _check_size(size)
         xs: list[Any] = []
         ys: list[Any] = []
-        for x, y in self._items():
+        for k, item in enumerate(self._items()):
+            x, y = _pair(item, k)
             xs.append(np.asarray(x))
             ys.append(np.asarray(y))
             if len(xs) == size:
@@ -318,6 +321,20 @@ class TorchDatasetSource:
                 h.update(f"{arr.dtype.str}|{arr.shape[1:]}|".encode())
                 h.update(arr.tobytes())
         return h.hexdigest()
+
+
+def _pair(item: Any, k: int) -> tuple[Any, Any]:
+    """A dataset item as (x, y): a pair, or a mapping with keys "x" and "y"."""
+    from collections.abc import Mapping
+
+    if isinstance(item, Mapping):
+        if "x" not in item or "y" not in item:
+            raise ValueError(f"data: item {k}: expected a mapping with keys 'x' and 'y', got keys {sorted(item)[:8]}")
+        return item["x"], item["y"]
+    if isinstance(item, tuple | list) and len(item) == 2:
+        return item[0], item[1]
+    got = f"a {type(item).__name__} of length {len(item)}" if isinstance(item, tuple | list) else type(item).__name__
+    raise ValueError(f"data: item {k}: expected an (x, y) pair or a mapping with keys 'x' and 'y', got {got}")
 
 
 def open_source(

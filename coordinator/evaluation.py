@@ -17,7 +17,10 @@ def model_evaluator(cfg: CoordinatorConfig, x: np.ndarray, y: np.ndarray):  # ty
     ``{"accuracy", "loss"}`` of a classifier (cross-entropy) when the workload has none."""
     workload = cfg.load_workload()
     model = workload.build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args))
-    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    # Features keep their kind as the agents' engine sees them (client_agent.streaming): floats as float32,
+    # integers (token ids) as int64, never converted to float.
+    xa = np.ascontiguousarray(x)
+    xt = torch.from_numpy(xa.astype(np.float32 if np.issubdtype(xa.dtype, np.floating) else np.int64))
     if workload.evaluate is not None:
         user_evaluate = workload.evaluate
         yu = torch.from_numpy(np.ascontiguousarray(y))

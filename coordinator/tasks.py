@@ -194,19 +194,29 @@ class GradientTask:
     server's test data every ``eval_every`` rounds and checkpoints every ``checkpoint_every``.
     """
 
-    def __init__(self, cfg: CoordinatorConfig, parameters: np.ndarray, evaluate: Evaluate | None) -> None:
+    def __init__(
+        self,
+        cfg: CoordinatorConfig,
+        parameters: np.ndarray,
+        evaluate: Evaluate | None,
+        trainable: np.ndarray | None = None,
+    ) -> None:
         self.cfg, self.parameters, self.evaluate = cfg, parameters, evaluate
+        # Frozen entries (protocol.models.trainable_mask) never move: the agents release zeros there
+        # and, in central trust, the noise added there is discarded.
+        self.trainable = np.ones(parameters.size, dtype=np.bool_) if trainable is None else trainable
         self.metrics: dict[str, float] = {}
         self.checkpoint: str | None = None
         self.plateau_best, self.plateau_stale = -math.inf, 0
 
     @classmethod
     def build(cls, cfg: CoordinatorConfig, *, analyst: Analyst | None, evaluate: Evaluate | None) -> GradientTask:
-        from protocol.models import flatten_parameters  # torch, imported by the tasks that build a model only
+        from protocol.models import flatten_parameters, trainable_mask  # torch: only tasks that build a model
 
         model = cfg.load_workload().build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args))
         parameters = flatten_parameters(model).astype(np.float32)
-        return (LocalTrainingTask if cfg.local_steps else GradientTask)(cfg, parameters, evaluate)
+        task = LocalTrainingTask if cfg.local_steps else GradientTask
+        return task(cfg, parameters, evaluate, trainable_mask(model))
 
     @staticmethod
     def needs(cfg: CoordinatorConfig) -> Needs:
@@ -232,8 +242,9 @@ class GradientTask:
         return {}
 
     def _moved(self, total: np.ndarray) -> np.ndarray:
-        """theta - learning_rate (sum + noise) / n."""
-        return self.parameters.astype(np.float64) - self.cfg.learning_rate * total / self.cfg.n_public
+        """theta - learning_rate (sum + noise) / n, on the trainable entries only."""
+        step = np.where(self.trainable, self.cfg.learning_rate * total / self.cfg.n_public, 0.0)
+        return self.parameters.astype(np.float64) - step
 
     def aggregate(self, released: Released, ctx: RoundContext) -> None:
         cfg, rnd = self.cfg, ctx.rnd
@@ -303,8 +314,10 @@ class LocalTrainingTask(GradientTask):
         }
 
     def _moved(self, total: np.ndarray) -> np.ndarray:
-        """theta + server_lr (sum + noise) / n: the noisy sum of clipped updates, averaged by the public n."""
-        return self.parameters.astype(np.float64) + self.cfg.server_lr * total / self.cfg.n_public
+        """theta + server_lr (sum + noise) / n: the noisy sum of clipped updates, averaged by the public n
+        (trainable entries only)."""
+        step = np.where(self.trainable, self.cfg.server_lr * total / self.cfg.n_public, 0.0)
+        return self.parameters.astype(np.float64) + step
 
 
 @register_task("indicator")

@@ -112,6 +112,17 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def trainable_mask(model: nn.Module) -> np.ndarray:
+    """Which entries of the flat layout are trainable (``requires_grad``): bool ``(d,)``.
+
+    Frozen parameters are part of the model a request carries, not of the gradient: the agent
+    releases zeros for them and charges nothing for them, and the coordinator never moves them.
+    """
+    return np.concatenate(
+        [np.full(p.numel(), p.requires_grad, dtype=np.bool_) for p in model.parameters()] or [np.zeros(0, np.bool_)]
+    )
+
+
 def parameter_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """``(name, shape)`` of each parameter, in flat-layout order."""
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]

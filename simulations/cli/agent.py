@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from simulations.cli.arguments import Subparsers
@@ -84,5 +85,12 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_check(args: argparse.Namespace) -> int:
     from simulations.deploy.agent_files import check_agent_file
 
-    print(json.dumps(check_agent_file(args.path), indent=2, default=str))
-    return 0
+    report = check_agent_file(args.path)
+    print(json.dumps(report, indent=2, default=str))
+    dry = report.get("dry-run", {})
+    for warning in dry.get("warnings", []) if isinstance(dry, dict) else []:
+        print(f"warning: {warning}", file=sys.stderr)
+    problems = dry.get("problems", []) if isinstance(dry, dict) else []
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 2 if problems else 0

@@ -96,6 +96,10 @@ def check_agent_file(path: Path) -> dict[str, object]:
         "trust": cfg.trust,
         "policy": cfg.policy.describe(),
     }
+    from client_agent.workload_check import dry_run
+
+    # Every registered model, loss, validity rule and query on a few of the owner's own records (locally).
+    out["dry-run"] = dry_run(workload, source, unit=cfg.unit)
     if cfg.socket_path is not None:
         out["agent-socket"] = str(cfg.socket_path)
     if cfg.secagg_identity_key is not None and cfg.secagg_peers is not None:
