@@ -66,6 +66,9 @@ class CoordinatorConfig:
     eval_every: int = 0  # evaluate on server-side test data every k rounds (0: never)
     test_data: str = ""  # .npz with x, y (deployment; simulations pass an evaluate callable)
     checkpoint_every: int = 0  # save the model every k rounds and at the end (needs output_dir)
+    # Start from a saved model (a checkpoint file, checkpoints/round_<k>.npz): its parameters, from round k + 1
+    # (a run branched from another's prefix; the clients' ledgers must already hold that prefix's spends).
+    initial_checkpoint: str = ""
     output_dir: str = ""  # rounds.jsonl, summary.json, checkpoints/ (empty: keep in memory only)
     progress: bool = True
     # Central-trust noise and the SVT's noise come from OS entropy. A fixed seed makes them
@@ -179,6 +182,10 @@ class CoordinatorConfig:
             )
         if self.eval_every and self.task != "gradient":
             raise CoordinatorConfigError("eval_every: evaluation applies to the gradient task only")
+        if not isinstance(self.initial_checkpoint, str):
+            raise CoordinatorConfigError(f"initial_checkpoint: expected a file path, got {self.initial_checkpoint!r}")
+        if self.initial_checkpoint and (self.task != "gradient" or self.local_steps):
+            raise CoordinatorConfigError("initial_checkpoint: a saved model starts the gradient task (no local steps)")
         if self.checkpoint_every and not self.output_dir:
             raise CoordinatorConfigError("checkpoint_every: checkpoints need output_dir")
         self._check_local_training()

@@ -130,3 +130,18 @@ class RunWriter:
     def summary(self, summary: dict[str, Any]) -> None:
         if self.dir is not None:
             write_json_atomic(self.dir / "summary.json", summary)
+
+
+def load_checkpoint(path: str) -> tuple[int, np.ndarray]:
+    """``(round, parameters)`` of a checkpoint written by :meth:`RunWriter.checkpoint`."""
+    from coordinator.config import CoordinatorConfigError
+
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            if "parameters" not in saved.files or "round" not in saved.files:
+                raise CoordinatorConfigError(
+                    f"initial_checkpoint: expected arrays 'parameters' and 'round' in {path}, found {saved.files}"
+                )
+            return int(saved["round"]), np.asarray(saved["parameters"], dtype=np.float32).reshape(-1)
+    except OSError as exc:
+        raise CoordinatorConfigError(f"initial_checkpoint: cannot read {path}: {exc}") from exc

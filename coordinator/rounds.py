@@ -32,7 +32,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.enrolment import Enrolment, enrol
 from coordinator.monitor import Monitor, Verdict, build_monitor
 from coordinator.release import PlainRelease, Released, ReleaseStep
-from coordinator.report import Progress, RoundLog, RunWriter
+from coordinator.report import Progress, RoundLog, RunWriter, load_checkpoint
 from coordinator.secagg import SecaggRelease
 from coordinator.tasks import TASKS, Evaluate, RoundContext
 from coordinator.transport import Transport
@@ -69,7 +69,9 @@ def run(
     logs: list[RoundLog] = []
     errors_total: Counter[str] = Counter()
     stopped_because = "max_rounds"
-    for rnd in range(1, cfg.rounds + 1):
+    # A run started from a saved model goes on after the checkpoint's round (the task loaded its parameters).
+    first = load_checkpoint(cfg.initial_checkpoint)[0] + 1 if cfg.initial_checkpoint else 1
+    for rnd in range(first, cfg.rounds + 1):
         t0 = time.monotonic()
         ask = task.configure(rnd)
         if ask is None:

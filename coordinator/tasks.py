@@ -215,6 +215,8 @@ class GradientTask:
 
         model = cfg.load_workload().build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args))
         parameters = flatten_parameters(model).astype(np.float32)
+        if cfg.initial_checkpoint:
+            parameters = _saved_parameters(cfg, parameters.size)
         task = LocalTrainingTask if cfg.local_steps else GradientTask
         return task(cfg, parameters, evaluate, trainable_mask(model))
 
@@ -296,6 +298,21 @@ class GradientTask:
 
     def result(self) -> dict[str, Any]:
         return {"parameters": self.parameters}
+
+
+def _saved_parameters(cfg: CoordinatorConfig, size: int) -> np.ndarray:
+    """The initial checkpoint's parameters, checked against the model's size and the run's rounds."""
+    from coordinator.config import CoordinatorConfigError
+    from coordinator.report import load_checkpoint
+
+    rnd, parameters = load_checkpoint(cfg.initial_checkpoint)
+    if parameters.size != size:
+        raise CoordinatorConfigError(
+            f"initial_checkpoint: expected {size} parameters (model {cfg.model!r}), found {parameters.size}"
+        )
+    if not 0 <= rnd < cfg.rounds:
+        raise CoordinatorConfigError(f"initial_checkpoint: expected a round in [0, rounds={cfg.rounds}), found {rnd}")
+    return parameters
 
 
 class LocalTrainingTask(GradientTask):

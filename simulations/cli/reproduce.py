@@ -21,15 +21,16 @@ from simulations.reproductions.fz_sec51 import (
     Job,
     append_result,
     append_results,
+    campaign_trials,
     cell,
     job_summary,
     load_results,
     next_job,
     plot_accuracy,
     plot_fig1,
+    report_markdown,
     run_job,
     run_trial,
-    table_markdown,
 )
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def run_campaign(args: argparse.Namespace) -> int:
             "fz-mnist campaign: %s -> %s (engine %s, %d torch threads)", job.key, out, engine, torch.get_num_threads()
         )
         try:
-            new = run_job(job, out=out, data_dir=args.data_dir, engine=engine)
+            new = run_job(job, out=out, data_dir=args.data_dir, engine=engine, rows=rows)
         except Exception as exc:  # recorded, then tried once more by the next call
             log.info("fz-mnist campaign: %s failed: %s\n%s", job.key, exc, traceback.format_exc())
             _record_failure(failures_path, job, exc)
@@ -196,11 +197,14 @@ def commit_results(path: Path, message: str) -> bool:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """The table (markdown, printed) and the figures (PNG) from ``--results``."""
+    """The report (markdown, printed) and the figures (PNG) from ``--results``: the campaign's rows, with the
+    tuning grid, the prefix check and the earlier (T0 = 40) trials apart."""
     rows = load_results(args.results)
-    print(table_markdown(rows))
-    fig = plot_fig1(rows, args.fig)
-    acc = plot_accuracy(rows, args.accuracy_fig)
-    print(f"\n{len(rows)} trials in {args.results}; Fig. 1: {fig if fig else 'no filtered run at eps 0.3/0.5 yet'}")
-    print(f"accuracy against step: {acc if acc else 'no full-scale trial yet'}")
+    print(report_markdown(rows))
+    trials = campaign_trials(rows)
+    fig = plot_fig1([r for r in trials if r["regime"] == "tuned"], args.fig)
+    acc = plot_accuracy(trials, args.accuracy_fig)
+    print(f"\n{len(rows)} rows ({len(trials)} campaign trials) in {args.results}")
+    print(f"Fig. 1: {fig if fig else 'no tuned filtered run at eps 0.3/0.5 yet'}")
+    print(f"accuracy against step: {acc if acc else 'no full-scale campaign trial yet'}")
     return 0

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -92,6 +92,8 @@ TUNE_GRID: dict[float, tuple[tuple[int, float], ...]] = {
     1.0: ((300, 1.0), (300, 1.5), (400, 1.0), (400, 1.5)),
 }
 TRIAL_SEEDS = (0, 1, 2)
+# A branched run's central noise is seeded with seed + this (never a seed of a run from round 1).
+BRANCH_NOISE_SEED_OFFSET = 1000
 # The prefix check: suboptimal at epsilon 0.3, T0 = 20 (GD: floor(20 / 1.5^2) = 8 steps) on 6,000 records.
 PREFIX_CHECK_RECORDS = 6000
 
@@ -243,6 +245,74 @@ class Federation:
     evaluate: Callable[[np.ndarray], dict[str, float]] | None = None
 
 
+@dataclass(frozen=True)
+class Branch:
+    """Where a run branches from: another run's checkpoint at ``round`` and that run's ledgers."""
+
+    checkpoint: Path
+    ledgers: Path
+    round: int
+
+
+def seed_branch_ledgers(source: Path, clients: dict[int, dict[str, Any]], *, through_round: int) -> None:
+    """Charge each new client's ledger, under its own filter, with the source run's gradient releases up to
+    ``through_round``, before the branch asks anything.
+
+    Privacy note: the branch starts from the source run's model at that round, a function of exactly
+    those releases; each record pays for them in the branch's filter as it would have in a run of its
+    own from round 1 (the same clipped norms and noise std, stored in the source ledger; the same
+    request ids). Only a prefix that no filter of the branch would have cut is accepted: a record the
+    branch's filter refuses or stops on the way is an error.
+    """
+    from dataclasses import replace
+
+    from client_agent.agent import Agent
+    from client_agent.config import parse_agent_config
+    from client_agent.ledger import Ledger
+    from client_agent.records import GaussianRecord
+    from client_agent.state import AgentState
+    from protocol.filters import charge
+
+    for pid, node in sorted(clients.items()):
+        with Ledger.open_existing(source / f"client{pid}.sqlite") as src:
+            prefix = [
+                (rid, kind, rel)
+                for rid, kind, rel in src.releases()
+                if str(rel["kind"]) == "gradient" and int(rid.rsplit(":r", 1)[1]) <= through_round
+            ]
+            digests = {rid: src.lookup(rid) for rid, _, _ in prefix}
+        if [int(rid.rsplit(":r", 1)[1]) for rid, _, _ in prefix] != list(range(1, through_round + 1)):
+            raise SimulationError(f"branch: {source}/client{pid}.sqlite lacks gradient rounds 1..{through_round}")
+        agent = Agent(parse_agent_config(node, simulation=True))
+        try:
+            if agent.gaussian is None:
+                raise SimulationError("branch: expected clients with a Gaussian filter")
+            state = AgentState.from_arrays(agent.ledger.state())
+            for rid, kind, rel in prefix:
+                record = GaussianRecord.from_arrays("gradient", rel)
+                result = charge(
+                    agent.gaussian, state.filter_state(), noise_std=record.noise_std, l2_norms=record.l2_norms
+                )
+                if np.any(result.refused) or np.any(result.state.stopped):
+                    raise SimulationError(
+                        f"branch: the {agent.gaussian.kind} filter cuts client {pid}'s prefix at {rid}"
+                    )
+                state = replace(state, spent=np.array(result.state.spent), stopped=np.array(result.state.stopped))
+                stored = digests[rid]
+                assert stored is not None
+                agent.ledger.commit(
+                    request_id=rid,
+                    message_type=kind,
+                    run_id=rid.split(":", 1)[0],
+                    digest=stored.digest,
+                    release=record.to_arrays(),
+                    new_state=state.to_arrays(),
+                    reply=b"",
+                )
+        finally:
+            agent.close()
+
+
 def run_federation(
     c: Cell,
     *,
@@ -255,6 +325,7 @@ def run_federation(
     eval_every: int = SELECT_EVERY,
     select_from: int | None = None,
     checkpoint_every: int = 0,
+    branch: Branch | None = None,
 ) -> Federation:
     """One federation of ``c`` over ``parts`` (model, noise and partition from ``seed``), evaluated on (eval_x, eval_y).
 
@@ -262,6 +333,10 @@ def run_federation(
     count of correctly classified training records (coordinator/tasks.py, the private plateau count;
     every record's filter pays for it like any release); the run never stops on it (model selection
     is done afterwards, :func:`select_step`).
+
+    ``branch``: start from another run's model at one of its rounds, the clients' ledgers first charged
+    with that run's releases up to there (:func:`seed_branch_ledgers`); the noise from here on is seeded
+    apart from the source run's (``seed + BRANCH_NOISE_SEED_OFFSET``).
     """
     from coordinator.evaluation import model_evaluator  # torch: imported when a trial runs, not by the CLI's parser
     from simulations.engine import run_engine
@@ -281,6 +356,10 @@ def run_federation(
         filter=c.filter,
         noise_seed=seed,
     )
+    resume: dict[str, Any] = {"noise_seed": seed}
+    if branch is not None:
+        seed_branch_ledgers(branch.ledgers, per, through_round=branch.round)
+        resume = {"noise_seed": seed + BRANCH_NOISE_SEED_OFFSET, "initial_checkpoint": str(branch.checkpoint)}
     selection: dict[str, Any] = {}
     if select_from is not None:
         # Never stale-stopped: patience above the number of counts the run can ask.
@@ -300,8 +379,8 @@ def run_federation(
         eval_every=eval_every,
         checkpoint_every=checkpoint_every,
         output_dir=str(out),
-        noise_seed=seed,
         round_timeout=3600.0,
+        **resume,
         **selection,
     )
     evaluate = model_evaluator(cfg, eval_x, eval_y)
@@ -365,11 +444,26 @@ def append_results(path: Path, records: list[dict[str, Any]]) -> None:
         prefix = b""
         if handle.tell() > 0:
             handle.seek(-1, os.SEEK_END)
-            if handle.read(1) != b"\n":  # a line cut short must not swallow these
-                prefix = b"\n"
+            if handle.read(1) != b"\n":  # a last line without its newline must not swallow these
+                prefix = _end_last_line(handle)
         handle.write(prefix + "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def _end_last_line(handle: BinaryIO) -> bytes:
+    """For a file whose last line has no newline: b"\\n" to end it if it is a whole JSON object; if it is a
+    write cut short (it does not parse), cut it off (its job had not finished) and return b""."""
+    handle.seek(0)
+    data = handle.read()
+    start = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[start:])
+        return b"\n"
+    except ValueError:
+        log.warning("%s: a last line cut short (%d bytes); removed before appending", handle.name, len(data) - start)
+        handle.truncate(start)
+        return b""
 
 
 def append_result(path: Path, record: dict[str, Any]) -> None:
@@ -501,12 +595,13 @@ def next_job(rows: list[dict[str, Any]]) -> Job | None:
     return next((j for j in campaign_jobs(rows) if not finished(j, rows)), None)
 
 
-def _stamp(job: Job, row: dict[str, Any]) -> dict[str, Any]:
+def _stamp(job: Job, row: dict[str, Any], out: Path) -> dict[str, Any]:
     t = job.tuned
     return {
         **row,
         "kind": job.kind,
         "job": job.key,
+        "out": str(out),  # the run's folder (checkpoints, ledgers): a later job may branch from it
         "tuned_steps": t.steps,
         "tuned_clip": t.clip,
         "tuned_learning_rate": t.learning_rate,
@@ -514,21 +609,35 @@ def _stamp(job: Job, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_job(
-    job: Job, *, out: Path, data_dir: Path | None = None, engine: str = "inprocess", train_limit: int | None = None
+    job: Job,
+    *,
+    out: Path,
+    data_dir: Path | None = None,
+    engine: str = "inprocess",
+    train_limit: int | None = None,
+    test_limit: int | None = None,
+    rows: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run ``job`` in the folder ``out`` (new); its rows, ready to append. ``train_limit``: tests only."""
+    """Run ``job`` in the folder ``out`` (new); its rows, ready to append.
+
+    A 'gdp' job branches from its cell's finished gd+renyi run among ``rows`` (the results so far) at
+    GD's last step when that run's folder is still here (:func:`branch_source`), else runs from round 1.
+    ``train_limit`` and ``test_limit`` (the first that many test records) are for tests only.
+    """
     if job.kind == KIND_PREFIX:
         limit = PREFIX_CHECK_RECORDS if train_limit is None else train_limit
-        return [_stamp(job, prefix_check(job, out=out, data_dir=data_dir, engine=engine, train_limit=limit))]
+        return [_stamp(job, prefix_check(job, out=out, data_dir=data_dir, engine=engine, train_limit=limit), out)]
     if job.kind == KIND_TUNE:
-        return [_stamp(job, tune(job, out=out, data_dir=data_dir, engine=engine, train_limit=train_limit))]
+        return [_stamp(job, tune(job, out=out, data_dir=data_dir, engine=engine, train_limit=train_limit), out)]
     gd = cell(job.epsilon, job.regime, "gd", tuned=job.tuned)
     if gd.steps < 1:
         raise SimulationError(f"{job.key}: GD affords no full-norm step at these settings; nothing to compare")
     method = "renyi" if job.method == "gd+renyi" else job.method
     c = cell(job.epsilon, job.regime, method, tuned=job.tuned)
     every = gd.steps if job.method == "gd+renyi" else 0
+    source = None if job.method == "gd+renyi" else branch_source(job, rows or [])
     parts, test_x, test_y = mnist_silos(CLIENTS, seed=job.seed, data_dir=data_dir, train_limit=train_limit)
+    test_x, test_y = test_x[:test_limit], test_y[:test_limit]
     fed = run_federation(
         c,
         seed=job.seed,
@@ -537,14 +646,35 @@ def run_job(
         eval_x=test_x,
         eval_y=test_y,
         engine=engine,
-        select_from=gd.steps,
+        select_from=gd.steps + 1,
         checkpoint_every=every,
+        branch=None if source is None else source[0],
     )
     filtered = {**trial_record(c, fed, seed=job.seed, engine=engine), "gd_steps": gd.steps}
-    rows = [filtered]
+    if source is not None:
+        # The branch's record from round 1: the source's accuracies and active counts before the branch.
+        branch, prefix = source
+        before = {int(r): a for r, a in prefix["accuracy_by_round"].items() if int(r) <= branch.round}
+        filtered["accuracy_by_round"] = {**before, **filtered["accuracy_by_round"]}
+        filtered["branched_from"] = f"{branch.checkpoint} (the gd+renyi run's model at GD's last step)"
+    rows_out = [filtered]
     if job.method == "gd+renyi":
-        rows.insert(0, gd_from_prefix(gd, fed, filtered, out=out))
-    return [_stamp(job, r) for r in rows]
+        rows_out.insert(0, gd_from_prefix(gd, fed, filtered, out=out))
+    return [_stamp(job, r, out) for r in rows_out]
+
+
+def branch_source(job: Job, rows: list[dict[str, Any]]) -> tuple[Branch, dict[str, Any]] | None:
+    """The finished gd+renyi run of ``job``'s cell and seed to branch from (its GD row), if its folder is here."""
+    twin = Job(job.kind, job.epsilon, job.regime, "gd+renyi", job.seed, job.tuned)
+    gd_rows = [r for r in rows if r.get("job") == twin.key and r.get("method") == "gd" and r.get("out")]
+    for r in reversed(gd_rows):
+        steps = int(r["gd_steps"])
+        checkpoint = Path(r["out"]) / "checkpoints" / f"round_{steps:05d}.npz"
+        ledgers = Path(r["out"]) / "ledgers"
+        if checkpoint.is_file() and all((ledgers / f"client{pid}.sqlite").is_file() for pid in range(CLIENTS)):
+            return Branch(checkpoint, ledgers, steps), r
+    log.info("%s: no gd+renyi run to branch from (%s); running from round 1", job.key, twin.key)
+    return None
 
 
 def trial_record(c: Cell, fed: Federation, *, seed: int, engine: str) -> dict[str, Any]:
@@ -552,7 +682,7 @@ def trial_record(c: Cell, fed: Federation, *, seed: int, engine: str) -> dict[st
     summary = fed.summary
     accuracy = _accuracy_by_round(summary)
     private = _accuracy_by_round(summary, "train_accuracy_private")
-    last_round = int(summary["rounds_completed"])
+    last_round = int(summary["rounds"][-1]["round"]) if summary["rounds"] else 0  # a branch starts after 1
     last = summary["final_metrics"].get("accuracy")
     selected_step = select_step(private, last_round)
     selected = accuracy.get(selected_step, last)
@@ -605,7 +735,9 @@ def gd_from_prefix(gd: Cell, fed: Federation, filtered: dict[str, Any], *, out: 
         "last_accuracy": accuracy,
         "gd_steps": gd.steps,
         "accuracy_by_round": {**by_round, gd.steps: accuracy},
-        "active_per_round": filtered["active_per_round"][: gd.steps + 1],
+        # No record stops within GD's steps (its filter admits them all at full norm); the filtered run's
+        # count at GD's last step (the first private count) comes after that step's release, and is not GD's.
+        "active_per_round": [filtered["train_records"]] * (gd.steps + 1),
         "privacy": (
             f"({gd.epsilon}, {DELTA})-DP per record by worst-case accounting: {gd.steps} full-norm steps at "
             f"clip {gd.clip:g} and noise std {gd.noise_std:.4g} fit the Rényi filter's threshold"
@@ -699,18 +831,36 @@ def _cell_text(values: Iterable[float]) -> str:
     return f"{statistics.mean(vals):.2f} ± {statistics.stdev(vals):.2f} ({len(vals)} trials)"
 
 
-def table_markdown(rows: list[dict[str, Any]], *, full_only: bool = True) -> str:
-    """The FZ Sec. 5.1 table, ours beside the paper's; cells with no trial say so."""
+def campaign_trials(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The table's rows from the campaign (kind 'trial' with a job key); a row repeated by a rerun counts once."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for r in rows:
+        if row_kind(r) != KIND_TRIAL or "job" not in r or (r["job"], r["method"]) in seen:
+            continue
+        seen.add((r["job"], r["method"]))
+        out.append(r)
+    return out
+
+
+def earlier_trials(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Trials from before the campaign (no job key): T0 = 40, clip 1, lr 2 (the earlier settings)."""
+    return [r for r in rows if row_kind(r) == KIND_TRIAL and "job" not in r]
+
+
+def table_markdown(rows: list[dict[str, Any]], *, full_only: bool = True, value: str = "final_accuracy") -> str:
+    """The FZ Sec. 5.1 table (``value`` of the trial rows), ours beside the paper's; empty cells say so."""
     lines = [
         "| ε | regime | paper GD | paper GD+filter | ours GD | ours GD+Rényi filter (FZ) | ours GD+GDP filter |",
         "|---|---|---|---|---|---|---|",
     ]
+    trials = [r for r in rows if row_kind(r) == KIND_TRIAL and r.get(value) is not None]
     for regime in REGIMES:
         for eps in EPSILONS:
             got = {
                 m: [
-                    r["final_accuracy"]
-                    for r in rows
+                    r[value]
+                    for r in trials
                     if r["epsilon"] == eps
                     and r["regime"] == regime
                     and r["method"] == m
@@ -727,6 +877,56 @@ def table_markdown(rows: list[dict[str, Any]], *, full_only: bool = True) -> str
     return "\n".join(lines)
 
 
+def tuning_markdown(rows: list[dict[str, Any]]) -> str:
+    """The tuning grid's rows (validation accuracy on the 10,000 held-out training records), the chosen point marked."""
+    accuracy = {r["job"]: r for r in rows if row_kind(r) == KIND_TUNE}
+    lines = ["| ε | T0 | lr | σ | validation accuracy | chosen |", "|---|---|---|---|---|---|"]
+    for eps in EPSILONS:
+        chosen = chosen_tuning(rows, eps)
+        for job in (j for j in tuning_jobs() if j.epsilon == eps):
+            r = accuracy.get(job.key)
+            t = job.tuned
+            sigma = cell(eps, "tuned", "gd", tuned=t).noise_std
+            shown = "not run" if r is None else f"{100 * r['validation_accuracy']:.2f}"
+            mark = "yes" if chosen == t else ""
+            lines.append(f"| {eps} | {t.steps} | {t.learning_rate:g} | {sigma:.2f} | {shown} | {mark} |")
+    return "\n".join(lines)
+
+
+def prefix_markdown(rows: list[dict[str, Any]]) -> str:
+    """The prefix checks: a separate GD run against the filtered run's parameters at GD's last step."""
+    checks = [r for r in rows if row_kind(r) == KIND_PREFIX]
+    if not checks:
+        return "Prefix check: not run."
+    return "\n".join(
+        f"Prefix check ({r['job']}, {r['train_records']} records, GD {r['gd_steps']} steps): parameters "
+        + ("identical" if r["parameters_equal"] else "DIFFER")
+        + f" (max |difference| {r['max_abs_difference']:.3g})."
+        for r in checks
+    )
+
+
+def report_markdown(rows: list[dict[str, Any]]) -> str:
+    """The campaign's report: its table (selected and last step), the tuning grid, the prefix check, and the
+    trials with the earlier settings (T0 = 40) apart."""
+    trials = campaign_trials(rows)
+    earlier = earlier_trials(rows)
+    return "\n\n".join(
+        [
+            "Table (test accuracy at the privately selected step; GD: at its last worst-case step):",
+            table_markdown(trials),
+            "Filtered runs at their last step:",
+            table_markdown(trials, value="last_accuracy"),
+            "Tuning (private GD on 50,000 training records, validated on the other 10,000; its privacy cost is "
+            "not accounted, as in the paper):",
+            tuning_markdown(rows),
+            prefix_markdown(rows),
+            "T0=40 (earlier settings: clip 1, lr 2, before the campaign):",
+            table_markdown(earlier) if earlier else "none",
+        ]
+    )
+
+
 def plot_fig1(rows: list[dict[str, Any]], path: Path) -> Path | None:
     """FZ Fig. 1: active records against step, for the filtered runs at epsilon 0.3 and 0.5 (first trial each)."""
     import matplotlib
@@ -737,7 +937,10 @@ def plot_fig1(rows: list[dict[str, Any]], path: Path) -> Path | None:
     picked = [
         r
         for r in rows
-        if r["method"] in ("renyi", "gdp") and r["epsilon"] in (0.3, 0.5) and r["train_records"] == 60000
+        if row_kind(r) == KIND_TRIAL
+        and r["method"] in ("renyi", "gdp")
+        and r["epsilon"] in (0.3, 0.5)
+        and r["train_records"] == 60000
     ]
     if not picked:
         return None
@@ -753,7 +956,7 @@ def plot_fig1(rows: list[dict[str, Any]], path: Path) -> Path | None:
             r["active_per_round"],
             label=f"ε={r['epsilon']} {r['regime']} {r['method']} filter (C={r['clip']:g})",
         )
-        gd_steps = cell(r["epsilon"], r["regime"], "gd").steps
+        gd_steps = r.get("gd_steps") or cell(r["epsilon"], r["regime"], "gd").steps
         ax.axvline(gd_steps, color="grey", lw=0.6, ls=":")
     ax.set_xlabel("step")
     ax.set_ylabel("active records")
@@ -773,7 +976,7 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    full = [r for r in rows if r["train_records"] == 60000 and r.get("accuracy_by_round")]
+    full = [r for r in rows if row_kind(r) == KIND_TRIAL and r["train_records"] == 60000 and r.get("accuracy_by_round")]
     if not full:
         return None
     fig, axes = plt.subplots(1, len(EPSILONS), figsize=(4.2 * len(EPSILONS), 3.6), sharey=True)

@@ -1,0 +1,461 @@
+"""The FZ Sec. 5.1 campaign (issue 26): job order and skipping, resume, the tuning split, tuned settings,
+lr x C <= 3, the one-run-two-rows trial and its private selection, the report, the campaign's exit codes.
+
+Small versions only (a few hundred MNIST records, a handful of steps); the campaign itself runs in
+the background (`fedfilter reproduce fz-mnist --campaign`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client_agent.ledger import Ledger
+from protocol.filters import GaussianFilter
+from simulations.cli import main
+from simulations.datasets.idx import default_data_dir
+from simulations.reproductions import fz_sec51 as fz
+from simulations.reproductions.fz_sec51 import (
+    DELTA,
+    EPSILONS,
+    KIND_PREFIX,
+    KIND_TRIAL,
+    KIND_TUNE,
+    MAX_LR_TIMES_CLIP,
+    TUNE_GRID,
+    Job,
+    Tuned,
+    append_result,
+    append_results,
+    campaign_jobs,
+    cell,
+    chosen_tuning,
+    finished,
+    load_results,
+    next_job,
+    report_markdown,
+    run_job,
+    select_step,
+    stable_learning_rate,
+    tuning_jobs,
+    tuning_silos,
+)
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+MNIST = default_data_dir() / "mnist"
+needs_mnist = pytest.mark.skipif(not MNIST.is_dir(), reason=f"MNIST IDX files not found under {MNIST}")
+
+
+def tune_row(job: Job, accuracy: float) -> dict[str, Any]:
+    t = job.tuned
+    return {
+        "kind": KIND_TUNE,
+        "job": job.key,
+        "method": "gd",
+        "epsilon": job.epsilon,
+        "steps": t.steps,
+        "clip": t.clip,
+        "learning_rate": t.learning_rate,
+        "validation_accuracy": accuracy,
+    }
+
+
+def trial_row(job: Job, method: str, accuracy: float, **extra: Any) -> dict[str, Any]:
+    return {
+        "kind": KIND_TRIAL,
+        "job": job.key,
+        "epsilon": job.epsilon,
+        "regime": job.regime,
+        "method": method,
+        "final_accuracy": accuracy,
+        "last_accuracy": accuracy,
+        "train_records": 60000,
+        "active_per_round": [60000],
+        "clip": 1.0,
+        **extra,
+    }
+
+
+def all_tuned(accuracy: float = 0.9) -> list[dict[str, Any]]:
+    return [tune_row(j, accuracy) for j in tuning_jobs()]
+
+
+# --- the job list ---------------------------------------------------------------------------------
+
+
+def test_jobs_run_in_the_issues_order() -> None:
+    before = campaign_jobs([])
+    # Until every grid point has its row, the list ends with the tuning grid (the trials' settings come from it).
+    assert [j.kind for j in before] == [KIND_PREFIX] + [KIND_TUNE] * 12
+    assert [(j.epsilon, j.tuned.steps, j.tuned.learning_rate) for j in before[1:5]] == [
+        (0.3, 100, 1.5),
+        (0.3, 100, 2.0),
+        (0.3, 150, 1.5),
+        (0.3, 150, 2.0),
+    ]
+    assert [(j.tuned.steps, j.tuned.learning_rate) for j in before if j.epsilon == 1.0] == [
+        (300, 1.0),
+        (300, 1.5),
+        (400, 1.0),
+        (400, 1.5),
+    ]
+    assert all(j.tuned.clip == 1.0 and j.method == "gd" for j in before[1:])
+    jobs = campaign_jobs(all_tuned())
+    trials = jobs[13:]
+    assert len(trials) == 6 + 12 + 18
+    seed0 = [(j.seed, j.regime, j.epsilon, j.method) for j in trials[:6]]
+    # Seed 0 of all six cells, GD + Rényi in one run, suboptimal first.
+    assert seed0 == [(0, "suboptimal", e, "gd+renyi") for e in EPSILONS] + [
+        (0, "tuned", e, "gd+renyi") for e in EPSILONS
+    ]
+    assert {(j.seed, j.method) for j in trials[6:18]} == {(1, "gd+renyi"), (2, "gd+renyi")}
+    assert [j.seed for j in trials[6:18]] == [1] * 6 + [2] * 6
+    assert [j.method for j in trials[18:]] == ["gdp"] * 18  # the GDP column last
+    assert len({j.key for j in jobs}) == len(jobs)  # every key names one job
+
+
+def test_finished_jobs_are_skipped_and_a_half_written_job_is_not_finished() -> None:
+    rows: list[dict[str, Any]] = []
+    assert next_job(rows) == fz.prefix_check_job()
+    rows.append({"kind": KIND_PREFIX, "job": fz.prefix_check_job().key, "method": "gd+renyi"})
+    assert next_job(rows) == tuning_jobs()[0]
+    rows += all_tuned()
+    first_trial = campaign_jobs(rows)[13]
+    assert next_job(rows) == first_trial
+    rows.append(trial_row(first_trial, "gd", 0.9))  # the GD row alone: the Rényi row is still missing
+    assert not finished(first_trial, rows) and next_job(rows) == first_trial
+    rows.append(trial_row(first_trial, "renyi", 0.92))
+    assert finished(first_trial, rows) and next_job(rows) == campaign_jobs(rows)[14]
+    everything = rows + [trial_row(j, m, 0.9) for j in campaign_jobs(rows) for m in j.row_methods]
+    assert next_job(everything) is None
+
+
+def test_resume_after_a_last_line_cut_short(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    prefix = {"kind": KIND_PREFIX, "job": fz.prefix_check_job().key, "method": "gd+renyi", "epsilon": 0.3}
+    prefix |= {"gd_steps": 8, "parameters_equal": True}
+    append_result(path, prefix | {"max_abs_difference": 0.0})
+    whole = json.dumps(tune_row(tuning_jobs()[0], 0.9))
+    with path.open("a") as fh:
+        fh.write(whole[: len(whole) // 2])  # a crash in the middle of the write
+    rows = load_results(path)
+    assert [r["kind"] for r in rows] == [KIND_PREFIX]  # the cut line is left out ...
+    assert next_job(rows) == tuning_jobs()[0]  # ... so its job runs again
+    append_results(path, [tune_row(tuning_jobs()[0], 0.9), tune_row(tuning_jobs()[1], 0.8)])
+    rows = load_results(path)
+    assert [r["kind"] for r in rows] == [KIND_PREFIX, KIND_TUNE, KIND_TUNE]
+    assert next_job(rows) == tuning_jobs()[2]
+    # A broken line that is not the last is an error naming it, as before.
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:2: expected one JSON object per line"):
+        load_results(path)
+    path.write_text(json.dumps({"kind": "guess", "job": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:1: expected a kind among \['prefix-check', 'trial', 'tune'\]"):
+        load_results(path)
+    path.write_text(json.dumps({"kind": KIND_TUNE, "job": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:1: expected a tune with keys .* missing \['clip', 'epsilon'"):
+        load_results(path)
+
+
+# --- tuned settings and the lr x C rule -----------------------------------------------------------
+
+
+def test_tuned_settings_are_the_best_grid_point_per_epsilon() -> None:
+    rows = all_tuned(0.5)
+    grid = {eps: [j for j in tuning_jobs() if j.epsilon == eps] for eps in EPSILONS}
+    rows += [tune_row(grid[0.3][2], 0.93), tune_row(grid[1.0][3], 0.95), tune_row(grid[1.0][1], 0.95)]
+    # Later rows override? No: the best accuracy wins, and among equal ones the earliest grid point.
+    assert chosen_tuning(rows, 0.3) == Tuned(steps=150, clip=1.0, learning_rate=1.5)
+    assert chosen_tuning(rows, 1.0) == Tuned(steps=300, clip=1.0, learning_rate=1.5)
+    assert chosen_tuning(rows, 0.5) == Tuned(steps=100, clip=1.0, learning_rate=1.5)  # all tied: the first
+    # A missing grid point: no choice yet, and no trial job is listed.
+    partial = [r for r in all_tuned() if r["job"] != grid[0.5][3].key]
+    assert chosen_tuning(partial, 0.5) is None and chosen_tuning(partial, 0.3) is not None
+    assert all(j.kind != KIND_TRIAL for j in campaign_jobs(partial))
+    # The trials use the chosen settings.
+    trial = campaign_jobs(rows)[13]
+    assert (trial.epsilon, trial.tuned) == (0.3, Tuned(steps=150, clip=1.0, learning_rate=1.5))
+
+
+def test_learning_rate_times_clip_stays_at_most_3() -> None:
+    assert stable_learning_rate(learning_rate=2.0, l2_clip=1.5) == 2.0  # 3.0 exactly: kept
+    assert stable_learning_rate(learning_rate=2.0, l2_clip=2.0) == 1.5  # 4 would diverge (issue 26)
+    assert stable_learning_rate(learning_rate=1.0, l2_clip=2.0) == 1.0
+    for eps, grid in TUNE_GRID.items():
+        for steps, lr in grid:
+            tuned = Tuned(steps=steps, clip=1.0, learning_rate=lr)
+            for regime in ("tuned", "suboptimal"):
+                c = cell(eps, regime, "renyi", tuned=tuned)
+                assert c.learning_rate * c.clip <= MAX_LR_TIMES_CLIP + 1e-12
+                assert c.learning_rate == min(lr, MAX_LR_TIMES_CLIP / c.clip)
+    # The issue's unstable cell: eps 1.0 suboptimal at lr 2 (C = 2) now runs at lr 1.5; sigma and GD's steps
+    # as the issue's diagnosis: sigma 70.06, 75 GD steps at T0 = 300.
+    sub = cell(1.0, "suboptimal", "gd", tuned=Tuned(steps=300, clip=1.0, learning_rate=2.0))
+    assert (sub.clip, sub.learning_rate, sub.steps) == (2.0, 1.5, 75)
+    assert sub.noise_std == pytest.approx(70.06, abs=0.01)
+    renyi = GaussianFilter.renyi(epsilon=1.0, delta=DELTA)
+    assert renyi.full_norm_rounds(noise_std=sub.noise_std, l2_clip=1.0) == 300
+
+
+def test_select_step_takes_the_best_private_count_earliest_first() -> None:
+    assert select_step({10: 0.5, 15: 0.7, 20: 0.7, 25: 0.6}, 30) == 15
+    assert select_step({}, 30) == 30  # no count asked: the last step
+
+
+# --- the tuning split -------------------------------------------------------------------------------
+
+
+def test_tuning_split_holds_out_validation_from_training_and_never_reads_the_test_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[str] = []
+
+    def fake(name: str, data_dir: Path, *, split: str = "train", download: bool = False) -> Any:
+        asked.append(split)
+        if split != "train":
+            raise AssertionError(f"the tuning split read the {split} set")
+        x = np.arange(600 * 28 * 28, dtype=np.uint8).reshape(600, 28, 28)
+        x[:, 0, 0] = np.arange(600) % 256  # distinct records
+        x[:, 0, 1] = np.arange(600) // 256
+        return x, np.arange(600) % 10
+
+    monkeypatch.setattr(fz, "load_idx_dataset", fake)
+    parts, val_x, _ = tuning_silos(10, data_dir=Path("/nowhere"))
+    assert asked == ["train"]
+    assert len(val_x) == 100 and sum(len(p[0]) for p in parts) == 500  # 5:1, as 50,000 / 10,000
+
+    # Disjoint, and together every training record once.
+    def ids(x: np.ndarray) -> set[tuple[float, float]]:
+        return {(float(a), float(b)) for a, b in zip(x[:, 0, 0, 0], x[:, 0, 0, 1], strict=True)}
+
+    train = set().union(*(ids(p[0]) for p in parts))
+    assert len(train) == 500 and not train & ids(val_x) and len(train | ids(val_x)) == 600
+    again = tuning_silos(10, data_dir=Path("/nowhere"))
+    np.testing.assert_array_equal(again[1], val_x)  # a fixed split
+
+
+@needs_mnist
+def test_a_tuning_job_trains_on_the_split_and_reports_validation_accuracy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from simulations.datasets import idx, partition
+
+    real = idx.load_idx_dataset
+
+    def train_only(name: str, data_dir: Path, *, split: str = "train", download: bool = False) -> Any:
+        assert split == "train", f"a tuning job read the {split} set"
+        return real(name, data_dir, split=split, download=download)
+
+    monkeypatch.setattr(fz, "load_idx_dataset", train_only)
+    monkeypatch.setattr(partition, "load_idx_dataset", train_only)
+    job = Job(KIND_TUNE, 0.5, "tuned", "gd", 0, Tuned(steps=3, clip=1.0, learning_rate=2.0))
+    (row,) = run_job(job, out=tmp_path / "t", train_limit=600)
+    assert row["kind"] == KIND_TUNE and row["job"] == job.key
+    assert (row["train_records"], row["validation_records"], row["rounds_completed"]) == (500, 100, 3)
+    assert 0.0 <= row["validation_accuracy"] <= 1.0 and "not accounted" in row["privacy"]
+    assert row["noise_std"] == cell(0.5, "tuned", "gd", tuned=job.tuned).noise_std
+
+
+# --- one run, two rows; private selection -------------------------------------------------------------
+
+
+@needs_mnist
+def test_gd_and_renyi_rows_from_one_run_with_private_selection_charged(tmp_path: Path) -> None:
+    tuned = Tuned(steps=10, clip=1.0, learning_rate=2.0)
+    job = Job(KIND_TRIAL, 0.3, "suboptimal", "gd+renyi", 1, tuned)
+    gd_cell = cell(0.3, "suboptimal", "gd", tuned=tuned)
+    assert gd_cell.steps == math.floor(10 / 1.5**2) == 4
+    out = tmp_path / "run"
+    gd, renyi = run_job(job, out=out, train_limit=300, test_limit=500)
+    assert (gd["method"], renyi["method"]) == ("gd", "renyi") and gd["job"] == renyi["job"] == job.key
+    # GD row: the filtered run's model at GD's last worst-case step, evaluated on the test set.
+    assert gd["rounds_completed"] == gd["selected_step"] == 4 and gd["final_accuracy"] == gd["last_accuracy"]
+    assert gd["active_per_round"] == [300] * 5 == renyi["active_per_round"][:5]  # no filter binds before GD's horizon
+    # Private counts every 5 steps from GD's horizon on, none before it; the selected step is the best count.
+    private = {int(k): v for k, v in renyi["private_train_accuracy_by_round"].items()}
+    assert sorted(private) == [5, 10]
+    assert renyi["selected_step"] == select_step(private, 10)
+    assert renyi["final_accuracy"] == renyi["accuracy_by_round"][renyi["selected_step"]]
+    assert renyi["last_accuracy"] == renyi["accuracy_by_round"][10] and renyi["rounds_completed"] == 10
+    # The counts are charged by every record's filter: replaying each ledger's releases (gradients and counts)
+    # gives the stored spend, and the count releases are there.
+    filt = GaussianFilter.renyi(epsilon=0.3, delta=DELTA)
+    for pid in range(10):
+        with Ledger.open_existing(out / "ledgers" / f"client{pid}.sqlite") as ledger:
+            releases = list(ledger.releases())
+            spent = np.asarray(ledger.state()["spent"])
+        kinds = [str(rel["kind"]) for _, _, rel in releases]
+        assert kinds.count("indicator") == 2 and kinds.count("gradient") == 10
+        assert any(":plateau:r5" in rid for rid, _, _ in releases)
+        total = sum(
+            np.asarray(rel["l2_norms"]) ** 2 / float(np.asarray(rel["noise_std"])[0]) ** 2 for *_, rel in releases
+        )
+        np.testing.assert_allclose(spent, total, rtol=1e-9)
+        assert np.all(spent <= filt.threshold * (1 + 1e-9))
+    assert "everything this run released" in renyi["privacy"]
+
+
+@needs_mnist
+def test_gdp_branches_from_the_gd_step_with_the_prefix_charged_in_its_own_ledgers(tmp_path: Path) -> None:
+    tuned = Tuned(steps=8, clip=1.0, learning_rate=2.0)  # suboptimal eps 0.3: GD 3 steps, filtered 8
+    first = Job(KIND_TRIAL, 0.3, "suboptimal", "gd+renyi", 2, tuned)
+    rows = run_job(first, out=tmp_path / "renyi", train_limit=200, test_limit=300)
+    gdp = Job(KIND_TRIAL, 0.3, "suboptimal", "gdp", 2, tuned)
+    (branched,) = run_job(gdp, out=tmp_path / "gdp", train_limit=200, test_limit=300, rows=rows)
+    (alone,) = run_job(gdp, out=tmp_path / "alone", train_limit=200, test_limit=300)  # no source: from round 1
+    assert "round_00003.npz" in branched["branched_from"] and "branched_from" not in alone
+    assert branched["rounds_completed"] == alone["rounds_completed"] == 8
+    assert branched["accuracy_by_round"][3] == rows[0]["final_accuracy"]  # the prefix's GD step, then its own
+    assert sorted(int(r) for r in branched["private_train_accuracy_by_round"]) == [5]  # counts after GD's step
+    assert branched["active_per_round"][:4] == [200] * 4
+    filt = GaussianFilter.gdp(epsilon=0.3, delta=DELTA)
+    for pid in range(10):
+        with Ledger.open_existing(tmp_path / "gdp" / "ledgers" / f"client{pid}.sqlite") as ledger:
+            releases = list(ledger.releases())
+            spent = np.asarray(ledger.state()["spent"])
+            assert ledger.config.filter == "gdp"
+        with Ledger.open_existing(tmp_path / "alone" / "ledgers" / f"client{pid}.sqlite") as ledger:
+            scratch = list(ledger.releases())
+        ids = [rid for rid, _, _ in releases]
+        # The prefix under the Rényi run's request ids, then the branch from round 4 under its own.
+        assert ids[:3] == [f"fz-0.3-suboptimal-renyi-2:gradient:r{r}" for r in (1, 2, 3)]
+        assert ids[3] == "fz-0.3-suboptimal-gdp-2:gradient:r4"
+        # The prefix charges exactly what a GDP run from round 1 charged for the same three steps.
+        for (_, _, got), (_, _, want) in zip(releases[:3], scratch[:3], strict=True):
+            np.testing.assert_array_equal(got["l2_norms"], want["l2_norms"])
+        # And the stored spend is every release replayed, within the filter.
+        total = sum(np.asarray(r["l2_norms"]) ** 2 / float(np.asarray(r["noise_std"])[0]) ** 2 for *_, r in releases)
+        np.testing.assert_allclose(spent, total, rtol=1e-9)
+        assert np.all(spent <= filt.threshold * (1 + 1e-9))
+
+
+def test_a_run_resumes_from_a_checkpoint_at_the_next_round(tmp_path: Path) -> None:
+    from coordinator.config import CoordinatorConfig, CoordinatorConfigError
+    from coordinator.rounds import run
+    from simulations.inprocess import InProcessTransport
+    from tests import factories
+
+    def clients(name: str) -> dict[int, dict[str, Any]]:
+        per, _, _ = factories.federation(
+            tmp_path / name,
+            clients=2,
+            records=10,
+            features=4,
+            seed=1,
+            separation=2.0,
+            epsilon=50.0,
+            delta=1e-5,
+            trust="central",
+            unit="record",
+        )
+        return per
+
+    common: dict[str, Any] = {
+        "num_nodes": 2,
+        "n_public": 20,
+        "noise_std": 1e-9,
+        "l2_clip": 1.0,
+        "learning_rate": 1.0,
+        "model": "logreg",
+        "model_args": json.dumps({"in_features": 4, "n_classes": 2}),
+        "progress": False,
+        "trust": "central",
+        "noise_seed": 0,
+    }
+    whole = run(InProcessTransport(clients("whole")), CoordinatorConfig(**common, rounds=5))
+    first = CoordinatorConfig(**common, rounds=2, output_dir=str(tmp_path / "first"), checkpoint_every=2)
+    run(InProcessTransport(clients("first")), first)
+    saved = tmp_path / "first" / "checkpoints" / "round_00002.npz"
+    rest = run(
+        InProcessTransport(clients("rest")), CoordinatorConfig(**common, rounds=5, initial_checkpoint=str(saved))
+    )
+    assert [r["round"] for r in rest["rounds"]] == [3, 4, 5]
+    np.testing.assert_allclose(rest["parameters"], whole["parameters"], atol=1e-6)  # 2 + 3 steps = 5 steps
+    with pytest.raises(
+        CoordinatorConfigError, match=r"initial_checkpoint: expected a round in \[0, rounds=2\), found 2"
+    ):
+        run(InProcessTransport(clients("late")), CoordinatorConfig(**common, rounds=2, initial_checkpoint=str(saved)))
+    np.savez(tmp_path / "bad.npz", parameters=np.zeros(3), round=np.array(1))
+    with pytest.raises(CoordinatorConfigError, match=r"initial_checkpoint: expected 10 parameters .* found 3"):
+        run(
+            InProcessTransport(clients("bad")),
+            CoordinatorConfig(**common, rounds=5, initial_checkpoint=str(tmp_path / "bad.npz")),
+        )
+
+
+# --- the report -------------------------------------------------------------------------------------
+
+
+def test_report_keeps_campaign_trials_tuning_and_earlier_rows_apart() -> None:
+    rows = all_tuned(0.9)
+    rows[1]["validation_accuracy"] = 0.95  # eps 0.3: T0 100, lr 2 chosen
+    trial = campaign_jobs(rows)[13]  # seed 0, suboptimal, eps 0.3
+    rows += [
+        {"kind": KIND_PREFIX, "job": "p", "epsilon": 0.3, "gd_steps": 8, "train_records": 6000}
+        | {"parameters_equal": True, "max_abs_difference": 0.0},
+        trial_row(trial, "gd", 0.87),
+        trial_row(trial, "renyi", 0.91, last_accuracy=0.90),
+        trial_row(trial, "renyi", 0.11),  # a rerun's repeated row counts once
+        {  # a trial from before the campaign (no kind, no job): T0 = 40
+            "epsilon": 0.3,
+            "regime": "suboptimal",
+            "method": "gd",
+            "final_accuracy": 0.4938,
+            "train_records": 60000,
+            "active_per_round": [60000],
+            "clip": 1.5,
+        },
+    ]
+    text = report_markdown(rows)
+    campaign, rest = text.split("Filtered runs at their last step:")
+    last, rest = rest.split("Tuning (")
+    tuning, earlier = rest.split("T0=40 (earlier settings")
+    assert "| 0.3 | suboptimal | 84.47 | 92.25 | 87.00 (1 trial) | 91.00 (1 trial) | not run |" in campaign
+    assert "49.38" not in campaign and "49.38" not in last
+    assert "| 0.3 | suboptimal | 84.47 | 92.25 | 87.00 (1 trial) | 90.00 (1 trial) | not run |" in last
+    assert "| 0.3 | 100 | 2 | 123.04 | 95.00 | yes |" in tuning and "| 0.3 | 100 | 1.5 | 123.04 | 90.00 |  |" in tuning
+    assert "not accounted" in tuning
+    assert "parameters identical (max |difference| 0)" in tuning
+    assert "| 0.3 | suboptimal | 84.47 | 92.25 | 49.38 (1 trial) | not run | not run |" in earlier
+
+
+# --- the campaign command ------------------------------------------------------------------------------
+
+
+def test_campaign_once_runs_one_job_stops_on_a_second_failure_and_when_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from simulations.cli import reproduce
+
+    results, out = tmp_path / "r.jsonl", tmp_path / "out"
+    ran: list[str] = []
+
+    def fake_run(job: Job, *, out: Path, data_dir: Path | None, engine: str, rows: list[dict[str, Any]]) -> Any:
+        ran.append(job.key)
+        if job.kind == KIND_TUNE:
+            raise RuntimeError("diverged")
+        return [
+            {"kind": KIND_PREFIX, "job": job.key, "method": job.method, "epsilon": 0.3}
+            | {"gd_steps": 8, "parameters_equal": True, "max_abs_difference": 0.0, "wall_s": 1.0}
+        ]
+
+    monkeypatch.setattr(reproduce, "run_job", fake_run)
+    args = ["reproduce", "fz-mnist", "--campaign", "--once", "--results", str(results), "--out", str(out)]
+    assert main(args) == 0  # the prefix check, appended
+    assert [r["job"] for r in load_results(results)] == [fz.prefix_check_job().key]
+    assert main(args) == 0  # the first tuning job fails once: tried again by the next call
+    assert main(args) == reproduce.CAMPAIGN_STUCK  # fails twice: stop
+    assert main(args) == reproduce.CAMPAIGN_STUCK and len(ran) == 3  # not tried a third time
+    failures = (out / "campaign-failures.jsonl").read_text().splitlines()
+    assert [json.loads(f)["job"] for f in failures] == [tuning_jobs()[0].key] * 2
+    monkeypatch.setattr(reproduce, "next_job", lambda rows: None)
+    assert main(args) == reproduce.CAMPAIGN_NOTHING_LEFT
