@@ -757,7 +757,7 @@ def prefix_check(job: Job, *, out: Path, data_dir: Path | None, engine: str, tra
     parts, test_x, test_y = mnist_silos(CLIENTS, seed=job.seed, data_dir=data_dir, train_limit=train_limit)
     common: dict[str, Any] = {"seed": job.seed, "parts": parts, "eval_x": test_x, "eval_y": test_y, "engine": engine}
     alone = run_federation(gd, out=out / "gd", **common)
-    branch = run_federation(filt, out=out / "renyi", select_from=gd.steps, checkpoint_every=gd.steps, **common)
+    branch = run_federation(filt, out=out / "renyi", select_from=gd.steps + 1, checkpoint_every=gd.steps, **common)
     a = np.asarray(alone.summary["parameters"], dtype=np.float64)
     b = _checkpoint(out / "renyi", gd.steps).astype(np.float64)
     return {
