@@ -448,6 +448,17 @@ class Agent:
             rows = self.contributions(request)
             fault_point("after_compute")
             reply, new_state, release = self.release(request, rows, state, masked=masked)
+            if isinstance(rows, StreamedGradients) and any(rows.nulls.values()):
+                # The owner's own log, never sent: a validity rule that nulls the data learns nothing.
+                LOG.info(
+                    "request %r: %d of %d records were the null element (%d not finite, %d rejected by the "
+                    "workload's validity rule); they contributed nothing and paid nothing",
+                    request.request_id,
+                    sum(rows.nulls.values()),
+                    rows.n_units,
+                    rows.nulls.get("not_finite", 0),
+                    rows.nulls.get("rejected", 0),
+                )
             cfg, arrs = reply.encode()
         check_monotone(state, new_state)
         blob = pack_reply(cfg, arrs)
@@ -671,7 +682,8 @@ class Agent:
             used[lo:hi] = scales * admitted
             return used[lo:hi]
 
-        total = units.clipped_sum(weights)
+        # A stopped unit enters as the null element before the forward (privacy.md §2, §8).
+        total = units.clipped_sum(weights, keep=~fstate.stopped)
         scales = scales_of(units.norms(), 0)
         clipped_norms = _with_slack(units.scale(scales), slack)
         result = charge(gaussian, fstate, noise_std=sigma, l2_norms=clipped_norms)

@@ -3,14 +3,15 @@
 The per-record engine (:mod:`client_agent.streaming`) never runs the owner's model, loss or
 validity rule on a batch of records. :func:`per_record` wraps one function of *one* record (a
 batch of one through ``functional_call``) and runs it over a block of records with
-``torch.func.vmap`` (or, for a model vmap cannot run, a loop over the records calling the very same
-function). vmap computes exactly what the function gives for each record on its own: no operator in
+``torch.func.vmap``. vmap computes exactly what the function gives for each record on its own: no operator in
 the owner's code (a batch mean, a batch maximum, attention across the batch) can see another
 record, so a record's contribution, and whether it counts as the null element, depend on that
-record's data alone, and a stopped record's data reaches nothing but its own (zero-weighted) rows
-(privacy.md §2). A forward that depends on data through Python control flow cannot run under vmap
-at all (it raises), and the choice between vmap and the loop is made on synthetic records, never
-on data.
+record's data alone (privacy.md §2). A forward that depends on data through Python control flow
+cannot run under vmap at all: such a model (or validity rule) is refused, decided on synthetic
+records, never on data (run record by record, its work would depend on the data, and Python state
+on a module would carry one record into the next). Inside the function, an id outside an
+embedding's table makes its record the null element instead of an error (a refusal would answer,
+uncharged, a question about one record).
 
 Inside the per-record function, forward hooks on the modules of a known layer kind
 (:mod:`client_agent.layers`) record each module's input ``a`` and add a zero *probe* to its output:
@@ -28,26 +29,42 @@ only: whatever the plan, every value comes from one record's own computation.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from client_agent.layers import DenseRows, LayerKind, Rows, kind_of
+from client_agent.layers.recurrent import unrolled
 from protocol.errors import FedfilterError
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Validity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 SYNTHETIC = 3  # records in the data-independent batch that decides the plan
+_PLANS_KEPT = 32  # plans kept per agent process, keyed on public request fields (PerRecord.decide)
+_Shape = tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]  # a record's output shape and dtype, input shape
+_PLANS: OrderedDict[Hashable, tuple[tuple[tuple[str, _Shape], ...], tuple[str, ...]]] = OrderedDict()
 _CHECK_RTOL = 1e-3  # the plan's gradients against the direct ones, on the synthetic records
 
 
 class StructureError(FedfilterError, ValueError):
     """The model's forward differs from what its plan saw on the synthetic records (a structural change)."""
+
+
+class UnbatchableModelError(FedfilterError, ValueError):
+    """vmap cannot run the model on one record at a time: refused, decided on synthetic records.
+
+    A forward vmap cannot run branches in Python on values (``float(x.max())``, ``if x.sum() > 0``) or
+    calls an operator with no batching rule. Run record by record instead, its work would depend on the
+    data (a branch taken for some records), so on a stopped record's data or on who stopped, and Python
+    state kept on a module would carry one record's data into the next (a hostile review found both).
+    """
 
 
 @dataclass(frozen=True)
@@ -59,6 +76,7 @@ class Tapped:
     kind: LayerKind
     out_shape: tuple[int, ...]  # one record's output of the module (as that record's forward sees it)
     dtype: torch.dtype
+    in_shape: tuple[int, ...]  # one record's input of the module
     released: tuple[str, ...]  # its local parameter names that are trainable (frozen ones are not released)
 
 
@@ -66,12 +84,10 @@ class Tapped:
 class Plan:
     """What runs for one model and one record shape; decided from structure and synthetic records only.
 
-    ``vmapped``: records in a block run under vmap (else a loop over records of the same function).
     ``tapped``: modules whose rows their kind forms; ``direct``: trainable parameters whose
     per-record gradients are taken directly; together exactly the trainable parameters.
     """
 
-    vmapped: bool
     tapped: tuple[Tapped, ...]
     direct: tuple[str, ...]
     trainable: tuple[str, ...]
@@ -79,9 +95,8 @@ class Plan:
 
     @property
     def method(self) -> str:
-        """``rows`` (kinds' rows, any rest direct), ``direct`` (every gradient direct); ``+loop`` without vmap."""
-        base = "rows" if self.tapped else "direct"
-        return base if self.vmapped else f"{base}+loop"
+        """``rows`` (kinds' rows, any rest direct) or ``direct`` (every gradient taken directly)."""
+        return "rows" if self.tapped else "direct"
 
 
 @dataclass
@@ -94,15 +109,28 @@ class _Tap:
     probes: list[torch.Tensor] = field(default_factory=list)
     inputs: list[torch.Tensor | None] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)
-    shapes: list[tuple[tuple[int, ...], torch.dtype] | None] = field(default_factory=list)
+    shapes: list[_Shape | None] = field(default_factory=list)
     single: list[bool] = field(default_factory=list)
     tapped: frozenset[int] = frozenset()
+    bad: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.bool))
 
     def reset(self, n: int) -> None:
+        self.bad = torch.zeros((), dtype=torch.bool)
         self.inputs = [None] * n
         self.calls = [0] * n
         self.shapes = [None] * n
         self.single = [True] * n
+
+    def guard(self, m: nn.Module, args: tuple[Any, ...]) -> Any:
+        """An id outside ``[0, num_embeddings)`` makes its record the null element (its loss times 0) and is
+        looked up as id 0: an error there would refuse the request, uncharged, for one record's value
+        (e.g. "is some category >= k?" for a table size the coordinator chose)."""
+        if not self.mode or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        ids = args[0]
+        bad = (ids < 0) | (ids >= cast(nn.Embedding, m).num_embeddings)
+        self.bad = self.bad | bad.any()
+        return (torch.where(bad, torch.zeros((), dtype=ids.dtype, device=ids.device), ids), *args[1:])
 
     def hook(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         k = self.modules.get(id(m))
@@ -114,7 +142,7 @@ class _Tap:
             self.single[k] = False
             return None
         if self.mode == "shape":
-            self.shapes[k] = (tuple(out.shape), out.dtype)
+            self.shapes[k] = (tuple(out.shape), out.dtype, tuple(args[0].shape))
             return None
         if k not in self.tapped:
             return None
@@ -174,6 +202,8 @@ class PerRecord:
     def _hooks(self) -> Iterator[None]:
         """The tap's forward hooks on the candidate modules, for the duration of one pass."""
         handles = [m.register_forward_hook(self.tap.hook, with_kwargs=True) for _, m, _ in self.candidates]
+        guarded = [m for m in self.model.modules() if isinstance(m, nn.Embedding)]
+        handles += [m.register_forward_pre_hook(self.tap.guard) for m in guarded]
         try:
             yield
         finally:
@@ -200,7 +230,8 @@ class PerRecord:
         self.tap.tapped = frozenset(self._tapped_index)
         self.tap.mode = "tap"
         try:
-            out = functional_call(self.model, ({**self.params, **direct}, self.buffers), (xi.unsqueeze(0),))
+            with _math_attention(), unrolled(self.model):
+                out = functional_call(self.model, ({**self.params, **direct}, self.buffers), (xi.unsqueeze(0),))
             losses = self.loss_fn(out, yi.unsqueeze(0))
         finally:
             self.tap.mode = ""
@@ -211,7 +242,8 @@ class PerRecord:
             if a is None or self.tap.calls[k] != 1 or not self.tap.single[k]:
                 raise StructureError("model: a tapped module was not called once with one tensor for this record")
             inputs.append(a)
-        return losses.sum() * wi, inputs
+        usable = (~self.tap.bad).to(losses.dtype)  # an id no embedding can take: the null element
+        return losses.sum() * wi * usable, inputs
 
     @property
     def _tapped_index(self) -> list[int]:
@@ -232,30 +264,17 @@ class PerRecord:
         direct = {n: self.params[n] for n in self.plan.direct}
         fn = grad(self._one, argnums=(0, 1), has_aux=True)
         probes = self._probes()
+        before = self._versions()
         with self._hooks():
-            return self._run(fn, probes, direct, x, y, w)
-
-    def _run(
-        self,
-        fn: Callable[..., Any],
-        probes: list[torch.Tensor],
-        direct: dict[str, torch.Tensor],
-        x: torch.Tensor,
-        y: torch.Tensor,
-        w: torch.Tensor,
-    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[torch.Tensor]]:
-        assert self.plan is not None
-        if self.plan.vmapped:
             (g_probe, g_direct), inputs = vmap(fn, in_dims=(None, None, 0, 0, 0), randomness="error")(
                 probes, direct, x, y, w
             )
-            return list(g_probe), dict(g_direct), list(inputs)
-        parts = [fn(probes, direct, x[i], y[i], w[i]) for i in range(x.shape[0])]
-        stack = torch.stack
-        g_probe = [stack([p[0][0][k] for p in parts]) for k in range(len(probes))]
-        g_direct = {n: stack([p[0][1][n] for p in parts]) for n in direct}
-        inputs = [stack([p[1][k] for p in parts]) for k in range(len(probes))]
-        return g_probe, g_direct, inputs
+        if self._versions() != before:  # e.g. an embedding's max_norm renormalising the shared table in place
+            raise StructureError("model: its forward modified a parameter or buffer in place")
+        return list(g_probe), dict(g_direct), list(inputs)
+
+    def _versions(self) -> list[int]:
+        return [t._version for t in (*self.params.values(), *self.buffers.values())]
 
     def rows(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> list[tuple[str | None, Rows]]:
         """A block's per-record rows: (the tapped module's name, its rows), then (None, the direct parameters')."""
@@ -275,36 +294,67 @@ class PerRecord:
         """Floats of one record's rows, over every tapped module and direct parameter (sizes the blocks)."""
         assert self.plan is not None
         total = sum(self.params[n].numel() for n in self.plan.direct)
-        for t in self.plan.tapped:
-            total += sum(p.numel() for p in t.module.parameters(recurse=False))
+        for t in self.plan.tapped:  # the rows, and the record's input and backprop they come from
+            total += t.kind.row_floats(t.module, t.in_shape) + math.prod(t.in_shape) + math.prod(t.out_shape)
         return max(1, total)
 
     # -- the plan: structural, decided on synthetic records ----------------------------------------
 
-    def decide(self, x: torch.Tensor, y: torch.Tensor) -> Plan:
-        """The plan for records of ``x``'s and ``y``'s shapes, decided on synthetic records only."""
+    def decide(self, x: torch.Tensor, y: torch.Tensor, *, key: Hashable | None = None) -> Plan:
+        """The plan for records of ``x``'s and ``y``'s shapes, decided on synthetic records only.
+
+        ``key``: public request fields that fix the model's structure (workload, model name and
+        arguments, parameter layout); with it, the plan is kept per agent process and reused by the next
+        request with the same key and record shapes (it depends on nothing else: never on data, nor on
+        who stopped), so the synthetic passes run once, not per request.
+        """
+        full = None if key is None else (key, tuple(x.shape[1:]), x.dtype, tuple(y.shape[1:]), y.dtype, self.trainable)
+        if full is not None and full in _PLANS:
+            shapes, notes_kept = _PLANS[full]
+            _PLANS.move_to_end(full)
+            kept = dict(shapes)
+            tapped = [
+                t for t in self._tapped_from([kept.get(name) for name, _, _ in self.candidates]) if t.name in kept
+            ]
+            self.plan = self._plan(tapped, list(notes_kept))
+            return self.plan
+        plan = self._decide(x, y)
+        if full is not None:
+            _PLANS[full] = (tuple((t.name, (t.out_shape, t.dtype, t.in_shape)) for t in plan.tapped), plan.notes)
+            while len(_PLANS) > _PLANS_KEPT:
+                _PLANS.popitem(last=False)
+        return plan
+
+    def _tapped_from(self, shapes: list[_Shape | None], *, counted: bool = False) -> list[Tapped]:
+        """Tapped modules from per-candidate shapes; ``counted``: only those the last shape pass saw called once."""
+        tapped = []
+        for k, (name, m, kind) in enumerate(self.candidates):
+            once = self.tap.calls[k] == 1 and self.tap.single[k] if counted else True
+            if once and shapes[k] is not None:
+                shape, dtype, in_shape = shapes[k]  # type: ignore[misc]
+                released = tuple(
+                    local for local, p in m._parameters.items() if p is not None and f"{name}.{local}" in self.trainable
+                )
+                tapped.append(Tapped(name, m, kind, shape, dtype, in_shape, released))
+        return tapped
+
+    def _decide(self, x: torch.Tensor, y: torch.Tensor) -> Plan:
         xs, ys = synthetic_records(x, y)
         ws = torch.ones(xs.shape[0], device=self.device)
         notes: list[str] = []
         try:
-            vmapped = True
             try:
-                shapes = self._shape_pass(xs, ys, vmapped=True)
-            except Exception as exc:  # vmap cannot run this model: the same function in a loop
-                notes.append(f"vmap cannot run the model ({type(exc).__name__}): records run one at a time")
-                vmapped = False
-                shapes = self._shape_pass(xs, ys, vmapped=False)
-            tapped = []
-            for k, (name, m, kind) in enumerate(self.candidates):
-                if self.tap.calls[k] == 1 and self.tap.single[k] and shapes[k] is not None:
-                    shape, dtype = shapes[k]  # type: ignore[misc]
-                    released = tuple(
-                        local
-                        for local, p in m._parameters.items()
-                        if p is not None and f"{name}.{local}" in self.trainable
-                    )
-                    tapped.append(Tapped(name, m, kind, shape, dtype, released))
-            plan = self._plan(vmapped, tapped, notes)
+                shapes = self._shape_pass(xs, ys)
+            except (StructureError, UnbatchableModelError):
+                raise
+            except Exception as exc:  # vmap cannot run it on synthetic records: refused, whatever the data
+                raise UnbatchableModelError(
+                    f"model: torch.func.vmap cannot run it one record at a time ({type(exc).__name__}: "
+                    f"{str(exc)[:200]}); write value-dependent branches with torch.where, and keep no state "
+                    "on modules between calls"
+                ) from exc
+            tapped = self._tapped_from(shapes, counted=True)
+            plan = self._plan(tapped, notes)
             if tapped:
                 self.plan = plan
                 try:
@@ -313,7 +363,7 @@ class PerRecord:
                     ok = False
                 if not ok:
                     notes.append("a tapped module's parameters are also used outside it: every gradient taken directly")
-                    plan = self._plan(vmapped, [], notes)
+                    plan = self._plan([], notes)
             self.plan = plan
             return plan
         finally:
@@ -322,23 +372,22 @@ class PerRecord:
     def direct_plan(self) -> Plan:
         """The decided plan with no tapped module: every trainable parameter's gradient taken directly."""
         assert self.plan is not None
-        return self._plan(self.plan.vmapped, [], list(self.plan.notes))
+        return self._plan([], list(self.plan.notes))
 
-    def _plan(self, vmapped: bool, tapped: list[Tapped], notes: list[str]) -> Plan:
+    def _plan(self, tapped: list[Tapped], notes: list[str]) -> Plan:
         owned = {f"{t.name}.{local}" for t in tapped for local in t.released}
         direct = tuple(n for n in self.trainable if n not in owned)
-        return Plan(vmapped, tuple(tapped), direct, self.trainable, tuple(notes))
+        return Plan(tuple(tapped), direct, self.trainable, tuple(notes))
 
-    def _shape_pass(
-        self, xs: torch.Tensor, ys: torch.Tensor, *, vmapped: bool
-    ) -> list[tuple[tuple[int, ...], torch.dtype] | None]:
+    def _shape_pass(self, xs: torch.Tensor, ys: torch.Tensor) -> list[_Shape | None]:
         """Each candidate's per-record output shape and calls, from the per-record forward on synthetic records."""
 
         def forward(params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
             self.tap.reset(len(self.candidates))
             self.tap.mode = "shape"
             try:
-                out = functional_call(self.model, ({**self.params, **params}, self.buffers), (xi.unsqueeze(0),))
+                with _math_attention(), unrolled(self.model):
+                    out = functional_call(self.model, ({**self.params, **params}, self.buffers), (xi.unsqueeze(0),))
                 losses = self.loss_fn(out, yi.unsqueeze(0))
             finally:
                 self.tap.mode = ""
@@ -347,10 +396,7 @@ class PerRecord:
         # Under grad, as the real pass runs: some operators batch only there (nn.LSTM's autograd path).
         trainable = {n: self.params[n] for n in self.trainable}
         with self._hooks():
-            if vmapped:
-                vmap(grad(forward), in_dims=(None, 0, 0), randomness="error")(trainable, xs, ys)
-            else:
-                grad(forward)(trainable, xs[0], ys[0])
+            vmap(grad(forward), in_dims=(None, 0, 0), randomness="error")(trainable, xs, ys)
         return list(self.tap.shapes)
 
     def _agrees_with_direct(self, xs: torch.Tensor, ys: torch.Tensor, ws: torch.Tensor) -> bool:
@@ -373,7 +419,7 @@ class PerRecord:
                 _add_copy(rows, one_hot, one_hot > 0, targets)
                 for local, t in targets.items():
                     got[prefix + local].append(t.reshape(-1).cpu())
-        self.plan = self._plan(planned.vmapped, [], [])
+        self.plan = self._plan([], [])
         try:
             _, want, _ = self.gradients(xs, ys, ws)
         finally:
@@ -395,6 +441,14 @@ def _add_copy(rows: Rows, wk: torch.Tensor, keep: torch.Tensor, targets: dict[st
     clone.add(wk, keep, targets.__getitem__)
 
 
+def _math_attention() -> Any:
+    """scaled_dot_product_attention by its math backend (matmuls and a softmax, which vmap batches), not the
+    fused CPU kernel that vmap runs one record at a time."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def _check_losses(losses: Any) -> torch.Tensor:
     if not isinstance(losses, torch.Tensor) or tuple(losses.shape) != (1,):
         got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
@@ -405,7 +459,8 @@ def _check_losses(losses: Any) -> torch.Tensor:
 
 
 def per_record_validity(valid: Validity, x: torch.Tensor, y: torch.Tensor, *, vmapped: bool) -> torch.Tensor:
-    """``valid`` applied to each record alone (a batch of one): under vmap, or in a loop over the records."""
+    """``valid`` applied to each record alone (a batch of one): under vmap (the agent's path), or in a loop over
+    the records (``fedfilter agent check`` counting null records locally)."""
 
     def one(xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
         out = valid(xi.unsqueeze(0), yi.unsqueeze(0))
@@ -422,14 +477,26 @@ def per_record_validity(valid: Validity, x: torch.Tensor, y: torch.Tensor, *, vm
     return torch.stack([one(x[i], y[i]) for i in range(x.shape[0])])
 
 
-def validity_vmaps(valid: Validity, x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether ``valid`` runs under vmap, decided on synthetic records of ``x``'s and ``y``'s shapes and dtypes."""
+def check_validity_vmaps(valid: Validity, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Refuse a validity rule vmap cannot run (:class:`UnbatchableModelError`), decided on synthetic records of
+    ``x``'s and ``y``'s shapes and dtypes: run record by record, its state could carry one record into the next."""
     xs, ys = synthetic_records(x, y)
     try:
         per_record_validity(valid, xs, ys, vmapped=True)
-    except Exception:  # any failure: the loop, which runs the same function
-        return False
-    return True
+    except Exception as exc:
+        raise UnbatchableModelError(
+            f"valid: torch.func.vmap cannot run the workload's validity rule one record at a time "
+            f"({type(exc).__name__}: {str(exc)[:200]}); write it with tensor operations, without in-place updates"
+        ) from exc
 
 
-__all__ = ["SYNTHETIC", "PerRecord", "Plan", "StructureError", "per_record_validity", "synthetic_records"]
+__all__ = [
+    "SYNTHETIC",
+    "PerRecord",
+    "Plan",
+    "StructureError",
+    "UnbatchableModelError",
+    "check_validity_vmaps",
+    "per_record_validity",
+    "synthetic_records",
+]

@@ -40,7 +40,7 @@ Privacy notes (privacy.md §1, §2, §8):
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -51,19 +51,19 @@ from torch import nn
 from torch.func import functional_call
 
 from client_agent.gradients import LossFn
-from client_agent.isolation import PerRecord, per_record_validity, validity_vmaps
+from client_agent.isolation import PerRecord, check_validity_vmaps, per_record_validity
+from client_agent.layers import rows_where
 from protocol.errors import FedfilterError
 
 # Declared relative bound on |a record's norm - ||what the sum adds for it||| / ||what the sum adds||.
-# The sum adds w_i x (the record's float32 rows), each product rounded once in float64 (2^-53); the
-# norm is layers.base.squared_norms over the same rows: float32 sums of squares over runs of at most
-# 64 entries, so the squared norm's relative error is at most gamma_66 = 66 u / (1 - 66 u) with
-# u = 2^-24 (64 squares, 63 additions, the run's sqrt and its float64 square; Higham, "Accuracy and
-# Stability of Numerical Algorithms", Lemma 3.1 and Sec. 3.1), 3.934e-6, and the norm's at most
-# 1 - sqrt(1 - gamma_66) = 1.967e-6 (the float64 accumulation of runs adds below 10^-12). Linear's
-# outer rows (||a|| ||g|| in float64 over float32 factors) are exact to float64 rounding. 4e-6 is
-# twice the bound; tests/unit/test_isolation.py derives it again and checks observed errors below it.
-NORM_REL_ERROR = 4e-6
+# The sum adds w_i x (the record's rows), each product rounded once in float64 (2^-53); the norm is
+# layers.base.squared_norms over the same rows, converted exactly to float64 and summed there, so the
+# squared norm's relative error is at most gamma_d = d u / (1 - d u), u = 2^-53 (Higham, "Accuracy and
+# Stability of Numerical Algorithms", Lemma 3.1): below 2^-20 = 9.5e-7 for rows of d <= 2^33 entries,
+# and the norm's at most half that, 4.8e-7. Linear's outer rows (||a|| ||g||, float64 over the float32
+# factors) are exact to a few float64 roundings. 1e-6 is twice the bound; tests/unit/test_isolation_audit.py
+# and test_streaming.py check observed errors against it (privacy.md §2).
+NORM_REL_ERROR = 1e-6
 # Floats of per-record rows per block of records: 2^25 floats is 128 MiB in float32.
 _EXPLICIT_FLOATS = 1 << 25
 _BLOCK_ROWS = 256  # rows per block for materialised rows (RowContributions): float64 temporaries of a few MB
@@ -131,22 +131,30 @@ def _chunk_tensors(
     *,
     valid: Validity | None,
     device: torch.device,
-    valid_vmaps: bool = True,
+    nulls: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x, y, weight) on ``device``: records not ``valid`` (or not in ``keep``) become the null element.
 
-    Validity is decided on the source's side, for each record alone (``valid`` sees one record as
-    the source gave it, its own dtype and device, :func:`client_agent.isolation.per_record_validity`;
+    A record outside ``keep`` (a stopped unit) is replaced by zeros first, before anything reads it.
+    Validity is then decided on the source's side, for each record alone (``valid`` sees one record
+    as the source gave it, its own dtype and device, :func:`client_agent.isolation.per_record_validity`;
     finiteness is also checked after the conversion to float32 / int64), then the chunk moves to
     ``device``. The same torch.where on every record: zero features, zero target, weight 0.
     """
     x0, y0 = batch_tensor(x), batch_tensor(y)
+    kept = torch.ones(len(x0), dtype=torch.bool) if keep is None else keep.to(torch.bool).cpu()
+    if keep is not None:
+        x0 = rows_where(kept.to(x0.device), x0)
+        y0 = rows_where(kept.to(y0.device), y0)
     xt, yt = _as_tensor(x0), _as_tensor(y0)
     usable = finite_records(xt, yt)
+    accepted = torch.ones_like(usable)
     if valid is not None:  # on the source's own values: a float64 label 2.0000001 is not rounded to class 2 first
-        usable &= per_record_validity(valid, x0, y0, vmapped=valid_vmaps).to(usable.device)
-    if keep is not None:
-        usable &= keep.to(usable.device)
+        accepted = per_record_validity(valid, x0, y0, vmapped=True).to(usable.device)
+    if nulls is not None:  # the owner's log (client_agent.agent): kept records that were null, and why
+        nulls["not_finite"] = nulls.get("not_finite", 0) + int((kept & ~usable).sum())
+        nulls["rejected"] = nulls.get("rejected", 0) + int((kept & usable & ~accepted).sum())
+    usable &= accepted & kept.to(usable.device)
     xt, yt, usable = xt.to(device), yt.to(device), usable.to(device)
     xt = torch.where(usable.reshape(-1, *([1] * (xt.ndim - 1))), xt, torch.zeros((), dtype=xt.dtype, device=device))
     yt = torch.where(usable.reshape(-1, *([1] * (yt.ndim - 1))), yt, torch.zeros((), dtype=yt.dtype, device=device))
@@ -269,6 +277,9 @@ def fused_clipped_sum(
     chunk_size: int = 1024,
     device: str = "cpu",
     hooks: bool = True,
+    nulls: dict[str, int] | None = None,
+    plan_key: Hashable | None = None,
+    keep: NDArray[np.bool_] | None = None,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], str]:
     """One pass: each record's gradient norm, and sum_i w_i g_i with the weights ``weights`` gives from the norms.
 
@@ -279,7 +290,12 @@ def fused_clipped_sum(
     taken directly (no layer kind), the reference the kinds are tested against. A record with weight
     0, a non-finite or a zero norm (a null record included) contributes exact zeros; a sum that is
     still not finite (or a null element whose gradient is not) raises :class:`NonFiniteSumError`.
-    Memory is bounded by one chunk and one block of rows.
+    Memory is bounded by one chunk and one block of rows. ``nulls``, if given, receives how many records
+    were the null element and why: ``not_finite`` features or targets, ``rejected`` by ``valid``.
+    ``plan_key``: public request fields naming the model (PerRecord.decide): its plan is reused.
+    ``keep``: records outside it (stopped units, known before the pass) enter as the null element, before
+    the forward: their data reaches no computation at all, so neither the result, nor an error, nor the
+    work can depend on it (under vmap every record runs the same operations, null or not).
     """
     check_model(model)
     chunk_size = _chunk_size(chunk_size)
@@ -303,21 +319,24 @@ def fused_clipped_sum(
 
     weigh = _Weigher(weights, n, dev)
     method = ""
-    valid_vmaps = True
+    keep_all = None if keep is None else torch.from_numpy(np.asarray(keep, dtype=np.bool_))
+    if keep_all is not None and keep_all.shape != (n,):
+        raise ValueError(f"keep: expected {n} flags, got shape {tuple(keep_all.shape)}")
     with _full_precision(dev):
         start = 0
         for xb, yb in source.batches(chunk_size):
             if not method:  # data-independent: the plan, then the null element, on synthetic records
                 xs, ys = _as_tensor(batch_tensor(xb)).to(dev), _as_tensor(batch_tensor(yb)).to(dev)
-                plan = engine.decide(xs, ys)
+                plan = engine.decide(xs, ys, key=plan_key)
                 if not hooks:
                     plan = engine.plan = engine.direct_plan()
                 method = plan.method
                 if valid is not None:
-                    valid_vmaps = validity_vmaps(valid, batch_tensor(xb), batch_tensor(yb))
+                    check_validity_vmaps(valid, batch_tensor(xb), batch_tensor(yb))
                 leaves = {name: p.detach().requires_grad_(True) for name, p in engine.params.items()}
                 _check_null_element(model, loss_fn, leaves, engine.buffers, xs[:1], ys[:1])
-            x, y, usable = _chunk_tensors(xb, yb, None, valid=valid, device=dev, valid_vmaps=valid_vmaps)
+            kept = None if keep_all is None else keep_all[start : start + len(yb)]
+            x, y, usable = _chunk_tensors(xb, yb, kept, valid=valid, device=dev, nulls=nulls)
             step = max(1, _EXPLICIT_FLOATS // engine.row_floats())
             for i in range(0, x.shape[0], step):
                 blocks = engine.rows(x[i : i + step], y[i : i + step], usable[i : i + step])
@@ -326,9 +345,9 @@ def fused_clipped_sum(
                 for _, rows in blocks:
                     sq += rows.sq(b, dev)
                 norms = sq.sqrt()
-                wk, keep = weigh(start + i, norms)
+                wk, sent = weigh(start + i, norms)
                 for module, rows in blocks:
-                    rows.add(wk, keep, view_of(module))
+                    rows.add(wk, sent, view_of(module))
                 norms_out[start + i : start + i + b] = norms.detach().cpu()
                 del blocks
             start += x.shape[0]
@@ -598,6 +617,7 @@ class StreamedGradients:
         chunk_size: int = 1024,
         device: str = "cpu",
         hooks: bool = True,
+        plan_key: Hashable | None = None,
     ) -> None:
         """``hooks`` (the default, and the agent's path): modules of a known layer kind get their rows from
         their per-record input and backprop; off, every per-record gradient is taken directly. Either
@@ -606,7 +626,7 @@ class StreamedGradients:
         check_model(model)
         self.model, self.loss_fn, self.source = model, loss_fn, source
         self.valid, self.chunk_size, self.device = valid, _chunk_size(chunk_size), device
-        self.hooks = hooks
+        self.hooks, self.plan_key = hooks, plan_key
         self.n_units = len(source)
         self.dim = sum(p.numel() for p in model.parameters())
         # The flat layout's trainable entries (protocol.models.trainable_mask): frozen ones are released as 0.
@@ -614,6 +634,7 @@ class StreamedGradients:
             [np.full(p.numel(), p.requires_grad, dtype=np.bool_) for p in model.parameters()] or [np.zeros(0, bool)]
         )
         self.method = ""
+        self.nulls: dict[str, int] = {}  # null records of the last pass, by reason (the owner's log)
         self._norms: NDArray[np.float64] | None = None
         self._scales: NDArray[np.float64] | None = None
 
@@ -635,7 +656,7 @@ class StreamedGradients:
         return np.isfinite(norms) & (norms > 0.0)
 
     @staticmethod
-    def charged_norms(norms: NDArray[np.float64], scales: NDArray[np.float64]) -> NDArray[np.float64]:
+    def charged_norms(norms: NDArray[np.float64], scales: NDArray[np.float64], *, dim: int = 0) -> NDArray[np.float64]:
         """The norms to charge for records of ``norms`` scaled by ``scales``: norm * scale * (1 + E), 0 if not sendable.
 
         Elementwise, so a run of records gets exactly the values the whole array would: the fused
@@ -651,7 +672,7 @@ class StreamedGradients:
         self._scales = np.where(ok, np.asarray(scales, dtype=np.float64), 0.0)
         return self.charged_norms(self.norms(), scales)
 
-    def clipped_sum(self, weights: WeightsFn) -> NDArray[np.float64]:
+    def clipped_sum(self, weights: WeightsFn, *, keep: NDArray[np.bool_] | None = None) -> NDArray[np.float64]:
         """The fused pass (:func:`fused_clipped_sum`): sum_i w_i g_i, w from ``weights``; then :meth:`norms` is free.
 
         This is how :meth:`client_agent.agent.Agent.release` uses record gradients: the filter's
@@ -659,6 +680,7 @@ class StreamedGradients:
         ``weights`` decides it chunk by chunk, and the charge, computed afterwards from
         :meth:`norms` and :meth:`scale` over all records, must record exactly those weights.
         """
+        self.nulls = {}
         self._norms, total, self.method = fused_clipped_sum(
             self.model,
             self.loss_fn,
@@ -668,6 +690,9 @@ class StreamedGradients:
             chunk_size=self.chunk_size,
             device=self.device,
             hooks=self.hooks,
+            nulls=self.nulls,
+            plan_key=self.plan_key,
+            keep=keep,
         )
         return total
 

@@ -39,6 +39,11 @@ def model_problems(model: nn.Module) -> list[str]:
                 f"{where}: Dropout with p > 0 in training mode (p = {m.p}); build it with p = 0 or call .eval() "
                 "in the workload's factory"
             )
+        elif isinstance(m, nn.Embedding) and m.max_norm is not None:
+            problems.append(
+                f"{where}: max_norm renormalises the table in place during the forward, so records would see each "
+                "other's lookups; drop max_norm (renormalise in the loss or between rounds)"
+            )
         elif isinstance(m, nn.MultiheadAttention) and m.training and m.dropout > 0:
             problems.append(
                 f"{where}: attention dropout {m.dropout} in training mode; build it with dropout = 0 or call .eval()"
@@ -56,7 +61,8 @@ def _required_arguments(factory: Any) -> list[str]:
 
 
 def _first_records(source: Any, n: int) -> tuple[Any, Any]:
-    return next(iter(source.batches(n)))
+    x, y = next(iter(source.batches(n)))
+    return x, y
 
 
 def dry_run(workload: Any, source: Any, *, unit: str, sample: int = SAMPLE) -> dict[str, Any]:

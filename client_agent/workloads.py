@@ -112,7 +112,9 @@ def gradient_contributions(
     chunk = 1024
     if activation_budget is not None:  # the owner's budget: chunks sized to it, or a policy refusal
         chunk = chunk_for_budget(model, registry.loss, source, budget_bytes=activation_budget, most=chunk)
-    return StreamedGradients(model, registry.loss, source, valid=valid, device=device, chunk_size=chunk)
+    # Public fields only: the per-record plan for this model is decided once per agent process.
+    key = (registry.name, id(registry), request.model, request.model_args)
+    return StreamedGradients(model, registry.loss, source, valid=valid, device=device, chunk_size=chunk, plan_key=key)
 
 
 def client_gradient_row(

@@ -172,7 +172,63 @@ class Borrowed(nn.Module):
         self.head = nn.Linear(4, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.a(x))) + 0.1 * torch.sin(x @ self.a.weight.t()).sum(dim=1, keepdim=True)
+        return self.head(torch.tanh(self.a(x))) + torch.sin(x @ self.a.weight.t())[:, :CLASSES]
+
+
+class Branchy(nn.Module):
+    """Python control flow on a value: vmap cannot run it, so the agent refuses it (whatever the data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(FEATURES, 4)
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if float(h.abs().max()) > 0.5:  # a batch would branch on its largest record
+            h = h * 2.0
+        return self.head(h)
+
+
+class RunningMax(nn.Module):
+    """Scales features by the largest magnitude seen so far, kept as a Python float on the module (review F1):
+    run record by record, one record's data would reach the next. vmap cannot run it: refused."""
+
+    def __init__(self, floor: float = 1.0) -> None:
+        super().__init__()
+        self.peak = floor
+        self.body = nn.Sequential(nn.Linear(FEATURES, 5), nn.Tanh(), nn.Linear(5, CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.peak = max(self.peak, float(x.abs().max()))
+        return self.body(x / self.peak)
+
+
+class TwoTables(nn.Module):
+    """A token table over the record and a 'category' table over its first id, of a size the coordinator
+    chooses (review F3): an id beyond it must make its record null, not an error."""
+
+    def __init__(self, categories: int = VOCAB) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, 4)
+        self.cat = nn.Embedding(categories, 4)
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tok(x).mean(dim=1) + self.cat(x[:, 0]))
+
+
+class TiedMaxNorm(nn.Module):
+    """An embedding with max_norm whose table is also used whole (review F2): the in-place renormalisation
+    would let records see each other's lookups. Refused by model_problems."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 4, max_norm=0.5)
+        self.head = nn.Linear(VOCAB, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x).mean(dim=1) @ self.emb.weight.t())
 
 
 CE = functools.partial(F.cross_entropy, reduction="none")
@@ -204,6 +260,10 @@ CONTROLS = Workload(
         "gru": functools.partial(Recurrent, "gru"),
         "attention": Attention,
         "borrowed": Borrowed,
+        "branchy": Branchy,
+        "running_max": RunningMax,
+        "two_tables": TwoTables,
+        "tied_max_norm": TiedMaxNorm,
     },
     loss=_ce,
     data=_data,

@@ -9,6 +9,7 @@ possible). Several positions (sequences): one bmm g^T a per record.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ class LinearKind:
         for s in a_shape[:-1]:
             positions *= s
         if positions == 1:  # kept as factors
-            return int(a_shape[-1]) + int(m.weight.shape[0])  # type: ignore[union-attr]
+            return int(a_shape[-1]) + int(cast(nn.Linear, m).out_features)
         return sum(p.numel() for p in m.parameters(recurse=False))
 
 

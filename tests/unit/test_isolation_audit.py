@@ -15,8 +15,11 @@ record 1 differs (x50, or other tokens) must give bit-identical replies through 
 Owner workloads (tests/isolation_workloads.py) that mix records when run on a batch: batch-centred targets,
 a batch-max rescale above a threshold the request's model arguments set, batch-centred token embeddings;
 and controls on every layer path: Linear, sequence Linear, convolutions, Embedding, LayerNorm/GroupNorm,
-LSTM, GRU (the loop over records: vmap cannot run it), attention with positional embeddings, and a model
-whose parameter is used outside its module (every gradient taken directly). On the batched engine
+LSTM, GRU, attention with positional embeddings, a model whose parameter is used outside its module
+(every gradient taken directly), two embedding tables. Then the hostile review's findings: models vmap
+cannot run (a Python branch on a value, Python state across records) and an in-place max_norm table are
+refused alike for every data set; an id outside a table the coordinator sized makes its record null,
+never an error, even when a stopped record holds it. On the batched engine
 before issue 22 the three mixing workloads fail both checks.
 """
 
@@ -56,6 +59,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "control:gru": ("CONTROLS", "gru", {}, "tokens"),
     "control:attention": ("CONTROLS", "attention", {}, "tokens"),
     "control:direct": ("CONTROLS", "borrowed", {}, "features"),
+    "control:two-tables": ("CONTROLS", "two_tables", {"categories": iw.VOCAB}, "tokens"),
 }
 
 
@@ -165,3 +169,75 @@ def test_a_stopped_records_data_has_no_influence_at_all(tmp_path: Path, case: st
         replies.append(np.asarray(reply.total))
         a.close()
     np.testing.assert_array_equal(replies[0], replies[1])
+
+
+def test_the_method_each_model_gets() -> None:
+    from client_agent.streaming import ArraySource, record_norms
+
+    methods = {}
+    for name, kind in (("gru", "tokens"), ("attention", "tokens"), ("borrowed", "features"), ("linear", "features")):
+        x, y = records(kind)
+        methods[name] = record_norms(iw.CONTROLS.build_model(name, seed=0), iw._ce, ArraySource(x, y))[1]
+    assert methods == {"gru": "rows", "attention": "rows", "borrowed": "direct", "linear": "rows"}
+
+
+@pytest.mark.parametrize("model", ["branchy", "running_max", "tied_max_norm"])
+def test_what_cannot_run_one_record_at_a_time_is_refused_alike_for_every_data_set(tmp_path: Path, model: str) -> None:
+    """Review F1, F2: a model vmap cannot run (it used to run record by record, where a Python float on the
+    module carried record 0's peak into every later record: influence 2.03x its charge) and an in-place
+    max_norm table (records renormalised each other's rows: 1.29x) are refused before any record is read,
+    with the same error for a data set and its neighbour, and nothing spent."""
+    kind = "tokens" if model == "tied_max_norm" else "features"
+    x, y = records(kind)
+    if kind == "features":
+        x = x * 3.0  # values above the running-max floor and the branch threshold
+    codes = []
+    for name, data in (("d", x), ("d-prime", null_record(x, 0))):
+        (tmp_path / name).mkdir()
+        a = build_agent(tmp_path / name, (data, y), workload="tests.isolation_workloads:CONTROLS")
+        outcome = a.handle(wire.GRADIENT, *wire.encode_request(_controls_request(model, {})))
+        assert outcome.is_error
+        codes.append((outcome.error_code, outcome.error_reason))
+        assert not np.any(a.ledger.state()["spent"])
+        a.close()
+    assert codes[0] == codes[1]
+
+
+def _controls_request(model: str, args: dict[str, Any], request_id: str = "r1") -> wire.GradientRequest:
+    built = iw.CONTROLS.build_model(model, seed=3, **args)
+    return wire.GradientRequest(
+        request_id=request_id,
+        run_id="audit",
+        round=1,
+        noise_std=SIGMA,
+        l2_clip=CLIP,
+        trust="local",
+        unit="record",
+        model=model,
+        model_args=json.dumps(args),
+        parameters=flatten_parameters(built),
+    )
+
+
+def test_an_id_outside_a_table_makes_its_record_null_never_an_error(tmp_path: Path) -> None:
+    """Review F3: with a category table of 5 (the coordinator's model_args) and a record whose first id is 7,
+    the forward raised and the request was refused, uncharged: one free bit ("some category >= k?"), also
+    when the record was stopped. The record is now the null element and the request is answered."""
+    x, y = records("tokens")
+    x[:, 0] = np.arange(N) % 5
+    x[3, 0] = 7
+    a = build_agent(tmp_path, (x, y), workload="tests.isolation_workloads:CONTROLS")
+    outcome = a.handle(wire.GRADIENT, *wire.encode_request(_controls_request("two_tables", {"categories": 5})))
+    assert not outcome.is_error, outcome.error_reason
+    spent = a.ledger.state()["spent"]
+    assert spent[3] == 0.0 and np.all(np.delete(spent, 3) > 0.0)
+    # A stopped record holding the bad id: answered too, and its data reaches nothing.
+    state = AgentState.from_arrays(a.ledger.state())
+    assert a.gaussian is not None
+    stopped = np.zeros(N, dtype=np.bool_)
+    stopped[3] = True
+    state = replace(state, stopped=stopped, spent=np.where(stopped, a.gaussian.threshold, state.spent))
+    req = _controls_request("two_tables", {"categories": 5}, "r2")
+    reply, _, _ = a.release(req, a.contributions(req), state)
+    assert isinstance(reply, wire.ContributionReply) and reply.status == wire.REPLY_OK
+    a.close()

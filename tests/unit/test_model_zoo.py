@@ -52,6 +52,22 @@ def test_zoo_models_give_each_records_own_gradient(name: str) -> None:
     assert not np.any(total[~mask])  # frozen entries: exact zeros
 
 
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize(
+    "options",
+    [{"batch_first": True}, {"num_layers": 2, "bidirectional": True}, {"batch_first": True, "bias": False}],
+)
+def test_the_unrolled_recurrent_forward_is_pytorchs(cell: type, options: dict[str, object]) -> None:
+    from client_agent.layers.recurrent import unrolled_forward
+
+    torch.manual_seed(0)
+    m = cell(3, 5, **options)
+    for x in (torch.randn(4, 6, 3), torch.randn(6, 3)):  # batched and unbatched
+        want, got = m(x), unrolled_forward(m, x)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+
 def test_frozen_parameters_are_neither_released_nor_charged(tmp_path: Path) -> None:
     """Issue 22: a frozen embedding was released and charged as trainable (the charge matched the all-parameters
     oracle, off by 8e-2 from the trainable one). Through Agent.handle: its entries are exactly 0 (noise
@@ -119,7 +135,9 @@ def test_agent_check_dry_runs_every_model_on_the_owners_records(tmp_path: Path) 
     report = dry_run(WORKLOAD, dict_data(tmp_path / "t.npz"), unit="record")
     assert report["problems"] == [] and report["warnings"] == []
     assert {name: r["status"] for name, r in report["models"].items()} == dict.fromkeys(WORKLOAD.models, "ok")
-    assert report["models"]["gru"]["method"].endswith("+loop")  # vmap cannot run nn.GRU: one record at a time
+    assert (
+        report["models"]["gru"]["method"] == "rows"
+    )  # nn.GRU unrolled step by step (client_agent/layers/recurrent.py)
 
 
 def _refused() -> dict[str, object]:
@@ -200,3 +218,22 @@ def test_token_features_stay_integer_through_the_coordinators_evaluation() -> No
     evaluate = model_evaluator(cfg, x, y)
     metrics = evaluate(flatten_parameters(WORKLOAD.build_model("bag", seed=cfg.seed)))
     assert 0.0 <= metrics["accuracy"] <= 1.0 and np.isfinite(metrics["loss"])
+
+
+def test_the_owners_log_says_how_many_records_were_null_and_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tests.factories import client_data, gradient_request
+
+    x, y = client_data(10)
+    x[2, 0] = np.nan
+    y[5] = 7  # a label the request's 2-class model cannot take
+    agent = build_agent(tmp_path, (x, y))
+    with caplog.at_level("INFO", logger="fedfilter.agent"):
+        outcome = agent.handle(wire.GRADIENT, *wire.encode_request(gradient_request()))
+    assert not outcome.is_error
+    assert (
+        "request 'r1': 2 of 10 records were the null element (1 not finite, 1 rejected by the workload's validity "
+        "rule); they contributed nothing and paid nothing"
+    ) in caplog.text
+    agent.close()

@@ -343,34 +343,34 @@ def test_fused_pass_work_does_not_depend_on_who_stopped(name: str) -> None:
 
 def test_op_witness_sees_a_fused_pass_that_skips_stopped_records(monkeypatch: pytest.MonkeyPatch) -> None:
     """The operator witness has power over the fused pass: layer sums over the admitted records only are caught."""
-    from client_agent import streaming
+    from client_agent.layers import linear
 
     model, x = _fused_models()["convs"]
     none, half = np.zeros(len(x), dtype=np.bool_), np.arange(len(x)) % 2 == 0
     assert torch_ops(_fused_run(model, x, none)) == torch_ops(_fused_run(model, x, half))
-    real = streaming._outer_sum
+    real = linear.OuterRows.add
 
-    def skipping(m: torch.nn.Module, a: torch.Tensor, g: torch.Tensor, w: torch.Tensor, keep: torch.Tensor) -> Any:
+    def skipping(self: Any, wk: torch.Tensor, keep: torch.Tensor, view: Callable[[str], torch.Tensor]) -> None:
         idx = torch.nonzero(keep).reshape(-1)  # a branch on who is admitted: select them
-        return real(m, a[idx], g[idx], w[idx], keep[idx])
+        real(linear.OuterRows(self.a[idx], self.g[idx], self.names), wk[idx], keep[idx], view)
 
-    monkeypatch.setattr(streaming, "_outer_sum", skipping)
+    monkeypatch.setattr(linear.OuterRows, "add", skipping)
     assert torch_ops(_fused_run(model, x, none)) != torch_ops(_fused_run(model, x, half))
 
 
 def test_op_witness_sees_a_rows_sum_that_skips_stopped_records(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same power over the per-record rows (convolutions, GroupNorm, a custom leaf): summing only the
     admitted records' rows is caught."""
-    from client_agent import streaming
+    from client_agent.layers import base
 
     model, x = _fused_models()["convs"]
     none, half = np.zeros(len(x), dtype=np.bool_), np.arange(len(x)) % 2 == 0
-    real = streaming._Rows.add
+    real = base.DenseRows.add
 
     def skipping(self: Any, wk: torch.Tensor, keep: torch.Tensor, view: Callable[[str], torch.Tensor]) -> None:
         idx = torch.nonzero(keep).reshape(-1)  # a branch on who is admitted: select them
-        picked = streaming._Rows({k: t[idx] for k, t in self.tensors.items()}, self.to_param, self.index)
+        picked = base.DenseRows({k: t[idx] for k, t in self.tensors.items()}, self.to_param, self.index)
         real(picked, wk[idx], keep[idx], view)
 
-    monkeypatch.setattr(streaming._Rows, "add", skipping)
+    monkeypatch.setattr(base.DenseRows, "add", skipping)
     assert torch_ops(_fused_run(model, x, none)) != torch_ops(_fused_run(model, x, half))

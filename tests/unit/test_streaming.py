@@ -27,8 +27,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from client_agent import streaming
-from client_agent.layers import conv
 from client_agent.gradients import per_example_gradients
+from client_agent.layers import conv
 from client_agent.records import GaussianRecord
 from client_agent.state import AgentState
 from client_agent.streaming import (
