@@ -656,7 +656,7 @@ class StreamedGradients:
         return np.isfinite(norms) & (norms > 0.0)
 
     @staticmethod
-    def charged_norms(norms: NDArray[np.float64], scales: NDArray[np.float64], *, dim: int = 0) -> NDArray[np.float64]:
+    def charged_norms(norms: NDArray[np.float64], scales: NDArray[np.float64]) -> NDArray[np.float64]:
         """The norms to charge for records of ``norms`` scaled by ``scales``: norm * scale * (1 + E), 0 if not sendable.
 
         Elementwise, so a run of records gets exactly the values the whole array would: the fused
