@@ -228,14 +228,7 @@ class PerRecord:
         for k, t in zip(self._tapped_index, probes, strict=True):
             self.tap.probes[k] = t
         self.tap.tapped = frozenset(self._tapped_index)
-        self.tap.mode = "tap"
-        try:
-            with _math_attention(), unrolled(self.model):
-                out = functional_call(self.model, ({**self.params, **direct}, self.buffers), (xi.unsqueeze(0),))
-            losses = self.loss_fn(out, yi.unsqueeze(0))
-        finally:
-            self.tap.mode = ""
-        _check_losses(losses)
+        losses = self._losses("tap", direct, xi, yi)
         inputs = []
         for k in self._tapped_index:
             a = self.tap.inputs[k]
@@ -244,6 +237,17 @@ class PerRecord:
             inputs.append(a)
         usable = (~self.tap.bad).to(losses.dtype)  # an id no embedding can take: the null element
         return losses.sum() * wi * usable, inputs
+
+    def _losses(self, mode: str, params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        """The loss of record i alone (a batch of one, shape (1,)), with the tap in ``mode`` during the forward."""
+        self.tap.mode = mode
+        try:
+            with _math_attention(), unrolled(self.model):
+                out = functional_call(self.model, ({**self.params, **params}, self.buffers), (xi.unsqueeze(0),))
+            losses = self.loss_fn(out, yi.unsqueeze(0))
+        finally:
+            self.tap.mode = ""
+        return _check_losses(losses)
 
     @property
     def _tapped_index(self) -> list[int]:
@@ -348,6 +352,7 @@ class PerRecord:
             except (StructureError, UnbatchableModelError):
                 raise
             except Exception as exc:  # vmap cannot run it on synthetic records: refused, whatever the data
+                self._forward_alone(xs[0], ys[0])  # a model that fails on a record of these shapes at all says so
                 raise UnbatchableModelError(
                     f"model: torch.func.vmap cannot run it one record at a time ({type(exc).__name__}: "
                     f"{str(exc)[:200]}); write value-dependent branches with torch.where, and keep no state "
@@ -369,6 +374,12 @@ class PerRecord:
         finally:
             self.tap.mode = ""
 
+    def _forward_alone(self, xi: torch.Tensor, yi: torch.Tensor) -> None:
+        """The per-record forward and loss on one synthetic record, without vmap: its own error, if any."""
+        self.tap.reset(len(self.candidates))
+        with torch.no_grad():
+            self._losses("", {}, xi, yi)
+
     def direct_plan(self) -> Plan:
         """The decided plan with no tapped module: every trainable parameter's gradient taken directly."""
         assert self.plan is not None
@@ -384,14 +395,7 @@ class PerRecord:
 
         def forward(params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
             self.tap.reset(len(self.candidates))
-            self.tap.mode = "shape"
-            try:
-                with _math_attention(), unrolled(self.model):
-                    out = functional_call(self.model, ({**self.params, **params}, self.buffers), (xi.unsqueeze(0),))
-                losses = self.loss_fn(out, yi.unsqueeze(0))
-            finally:
-                self.tap.mode = ""
-            return _check_losses(losses).sum()
+            return self._losses("shape", params, xi, yi).sum()
 
         # Under grad, as the real pass runs: some operators batch only there (nn.LSTM's autograd path).
         trainable = {n: self.params[n] for n in self.trainable}

@@ -2,9 +2,11 @@
 (``fedfilter agent check``): every registered model, loss, validity rule, query and the data source.
 
 Everything runs locally on the first :data:`SAMPLE` records; nothing leaves the machine and nothing is
-charged. A model whose modules the per-record engine refuses (BatchNorm, Dropout with p > 0 in
-training mode, attention dropout in training mode) is named with what to do instead; a model,
-loss or query that fails on the owner's data is named with the error; a validity rule that would
+charged. A model the per-record engine refuses (BatchNorm, Dropout with p > 0 in training mode,
+attention dropout in training mode, ``Embedding(max_norm=...)``, a forward vmap cannot run) is a
+problem, named with what to do instead (``fedfilter agent check`` exits 2); a model that does not
+run on the owner's records (say, the built-in MNIST CNN on tabular data) is a warning, and a query
+that fails on them a problem; a validity rule that would
 treat more than :data:`NULL_WARNING` of the sample as the null element is warned about (a rule that
 silently nulls a data set spends no budget and learns nothing).
 """
@@ -68,7 +70,7 @@ def _first_records(source: Any, n: int) -> tuple[Any, Any]:
 def dry_run(workload: Any, source: Any, *, unit: str, sample: int = SAMPLE) -> dict[str, Any]:
     """The dry run's report: ``data``, ``models`` and ``queries`` (each name -> status and message), and
     ``problems`` (what must be fixed before serving) and ``warnings``."""
-    from client_agent.isolation import per_record_validity
+    from client_agent.isolation import UnbatchableModelError, per_record_validity
     from client_agent.streaming import ArraySource, StreamedGradients, batch_tensor
     from client_agent.workloads import client_gradient_row
     from protocol.workload import QueryArgs, bounded_rows
@@ -114,8 +116,15 @@ def dry_run(workload: Any, source: Any, *, unit: str, sample: int = SAMPLE) -> d
             else:
                 client_gradient_row(model, workload.loss, ArraySource(np.asarray(x), np.asarray(y)), valid=valid)
                 entry = {"status": "ok", "null_records": null}
-        except Exception as exc:
-            problems.append(f"model {name!r}: fails on your records: {type(exc).__name__}: {exc}")
+        except UnbatchableModelError as exc:  # the engine refuses it, whatever the data: fix before serving
+            problems.append(f"model {name!r}: {exc}")
+            report["models"][name] = {"status": "refused"}
+            continue
+        except Exception as exc:  # e.g. a model for other record shapes (the built-in CNN on tabular data)
+            warnings.append(
+                f"model {name!r} does not run on your records ({type(exc).__name__}: {exc}); "
+                "requests for it will be refused"
+            )
             report["models"][name] = {"status": "fails"}
             continue
         if null > NULL_WARNING * len(usable):

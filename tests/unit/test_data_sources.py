@@ -162,7 +162,7 @@ def test_idx_normalise_gives_standardised_float_images_that_the_builtin_cnn_take
     np.testing.assert_array_equal(y, labels)
     model = BUILTIN.build_model("opacus_mnist_cnn", seed=0)
     units = StreamedGradients(model, BUILTIN.loss, source, chunk_size=4)
-    assert np.all(units.norms() > 0) and units.method == "hooks"
+    assert np.all(units.norms() > 0) and units.method == "rows"
     with pytest.raises(ValueError, match="normalise: expected"):
         IdxSource(img, normalise=(0.1, 0.0))
 

@@ -100,7 +100,12 @@ def changed_record(x: np.ndarray, i: int) -> np.ndarray:
 
 def request(case: str, request_id: str = "audit-1") -> wire.GradientRequest:
     workload, model, args, _ = CASES[case]
-    built = getattr(iw, workload).build_model(model, seed=3, **args)
+    return gradient_request_for(getattr(iw, workload), model, args, request_id)
+
+
+def gradient_request_for(workload: Any, model: str, args: dict[str, Any], request_id: str) -> wire.GradientRequest:
+    """A record-unit gradient request, local trust, for ``model`` of ``workload`` at its seed-3 parameters."""
+    built = workload.build_model(model, seed=3, **args)
     return wire.GradientRequest(
         request_id=request_id,
         run_id="audit",
@@ -204,19 +209,7 @@ def test_what_cannot_run_one_record_at_a_time_is_refused_alike_for_every_data_se
 
 
 def _controls_request(model: str, args: dict[str, Any], request_id: str = "r1") -> wire.GradientRequest:
-    built = iw.CONTROLS.build_model(model, seed=3, **args)
-    return wire.GradientRequest(
-        request_id=request_id,
-        run_id="audit",
-        round=1,
-        noise_std=SIGMA,
-        l2_clip=CLIP,
-        trust="local",
-        unit="record",
-        model=model,
-        model_args=json.dumps(args),
-        parameters=flatten_parameters(built),
-    )
+    return gradient_request_for(iw.CONTROLS, model, args, request_id)
 
 
 def test_an_id_outside_a_table_makes_its_record_null_never_an_error(tmp_path: Path) -> None:

@@ -140,6 +140,15 @@ def test_agent_check_dry_runs_every_model_on_the_owners_records(tmp_path: Path) 
     )  # nn.GRU unrolled step by step (client_agent/layers/recurrent.py)
 
 
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * 2.0 if float(x.sum()) > 0 else self.a(x)
+
+
 def _refused() -> dict[str, object]:
     return {
         "bn": lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)),
@@ -147,6 +156,8 @@ def _refused() -> dict[str, object]:
         "drop0": lambda: nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.0), nn.Linear(4, 2)),
         "drop_eval": lambda: nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)).eval(),
         "needs_args": lambda *, width: nn.Linear(3, width),
+        "branchy": _Branchy,
+        "wrong_shape": lambda: nn.Linear(5, 2),
     }
 
 
@@ -178,7 +189,17 @@ def test_agent_check_refuses_batch_norm_and_dropout_before_serving_naming_module
     out, err = capsys.readouterr()
     report = json.loads(out)["dry-run"]
     status = {name: r["status"] for name, r in report["models"].items()}
-    assert status == {"bn": "refused", "drop": "refused", "drop0": "ok", "drop_eval": "ok", "needs_args": "not run"}
+    assert status == {
+        "bn": "refused",
+        "drop": "refused",
+        "drop0": "ok",
+        "drop_eval": "ok",
+        "needs_args": "not run",
+        "branchy": "refused",
+        "wrong_shape": "fails",
+    }
+    assert "model 'branchy': model: torch.func.vmap cannot run it one record at a time" in err
+    assert "warning: model 'wrong_shape' does not run on your records" in err
     assert "module '1' (BatchNorm1d)" in err and "use GroupNorm or LayerNorm" in err
     assert "module '1' (Dropout)" in err and "p = 0 or call .eval()" in err
     assert not (tmp_path / "l.sqlite").exists()
