@@ -34,7 +34,7 @@ from client_agent.direct import answer_request
 from client_agent.gradients import summed_gradient
 from client_agent.workloads import _cross_entropy
 from protocol import messages as wire
-from protocol.models import build_model, flatten_parameters, load_flat_parameters
+from workloads.models import build_model, flatten_parameters, load_flat_parameters
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ full-batch gradient of the same records and against Opacus, measured in this scr
 For each model: a fresh agent (record units, local trust, its own ledger) answers one gradient request
 over all its records (decode, policy, the isolated per-record engine, the filter, ledger commit,
 reply); the baseline is the non-private gradient of the summed loss over the same records, one
-ordinary backward per chunk of 1,024, in its fastest layout (for convolutions, contiguous or
+ordinary backward per chunk of 1,024, the records read through the same data source as the agent reads
+them (the workload's: arrays, or a torch Dataset item by item), in its fastest layout (for convolutions, contiguous or
 channels_last, whichever is faster here); Opacus is ``GradSampleModule`` + per-sample clipping and the
 clipped sum, where Opacus supports the model without replacing its layers (``na`` otherwise: LSTM
 and attention need Opacus's own DPLSTM / DPMultiheadAttention). Timings are interleaved and the best
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from protocol import messages as wire
-from protocol.models import flatten_parameters, parameter_count
+from workloads.models import flatten_parameters, parameter_count
 
 DATA_DIR = Path(os.environ.get("FEDFILTER_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 CHUNK = 1024
@@ -93,7 +94,7 @@ def _tokens(root: Path, n: int) -> tuple[Path, np.ndarray, np.ndarray]:
 def _cases() -> dict[str, Case]:
     from examples.gn_regression.workload import squared_error
     from examples.model_zoo.workload import cross_entropy
-    from protocol.builtin_workload import cross_entropy as builtin_ce
+    from workloads.builtin import cross_entropy as builtin_ce
 
     zoo = "examples.model_zoo.workload:WORKLOAD"
     mlp_args = {"in_features": 784, "hidden": [1024, 256], "out_features": 10}
@@ -110,36 +111,38 @@ def _cases() -> dict[str, Case]:
 
 
 def _build(case: Case) -> nn.Module:
-    from protocol.workload import load_workload
+    from workloads.registry import load_workload
 
     return load_workload(case.workload).build_model(case.model, seed=0, **case.model_args)
 
 
-def _batches(x: np.ndarray, y: np.ndarray) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    for start in range(0, len(x), CHUNK):
-        xb = torch.from_numpy(x[start : start + CHUNK])
-        yield (xb if xb.is_floating_point() else xb.long()), torch.from_numpy(y[start : start + CHUNK])
+def _batches(source: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The records as the agent reads them: the workload's own data source, chunk by chunk."""
+    for xa, ya in source.batches(CHUNK):
+        xb, yb = torch.as_tensor(np.asarray(xa)), torch.as_tensor(np.asarray(ya))
+        yield (xb.float() if xb.is_floating_point() else xb.long()), yb
 
 
-def plain(model: nn.Module, case: Case, x: np.ndarray, y: np.ndarray, layout: torch.memory_format) -> None:
-    """The non-private gradient of the summed loss, one backward per chunk, accumulated."""
+def plain(model: nn.Module, case: Case, source: Any, layout: torch.memory_format) -> None:
+    """The non-private gradient of the summed loss over the same records read the same way, one backward per
+    chunk, accumulated."""
     params = [p for p in model.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
-    for xb, yb in _batches(x, y):
+    for xb, yb in _batches(source):
         if layout is torch.channels_last and xb.ndim == 4:
             xb = xb.contiguous(memory_format=torch.channels_last)
         for t, g in zip(total, torch.autograd.grad(case.loss(model(xb), yb).sum(), params), strict=True):
             t += g
 
 
-def opacus(model: nn.Module, case: Case, x: np.ndarray, y: np.ndarray) -> None:
+def opacus(model: nn.Module, case: Case, source: Any) -> None:
     """Opacus GradSampleModule per-sample gradients, per-sample clipping to 1, the clipped sum."""
     from opacus import GradSampleModule
 
     gsm = GradSampleModule(model)
     params = [p for p in gsm.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
-    for xb, yb in _batches(x, y):
+    for xb, yb in _batches(source):
         for p in params:
             p.grad_sample = None
         case.loss(gsm(xb), yb).sum().backward()
@@ -151,7 +154,7 @@ def opacus(model: nn.Module, case: Case, x: np.ndarray, y: np.ndarray) -> None:
     gsm._close()
 
 
-def agent_request(case: Case, data: Path, model: nn.Module, root: Path, k: int) -> float:
+def agent_request(case: Case, data: Path, model: nn.Module, root: Path, k: str) -> float:
     """Seconds of one gradient request through Agent.handle, on a fresh agent and ledger opened beforehand
     (an owner's agent is a long-lived service: opening it is not a request's work)."""
     import json
@@ -195,18 +198,21 @@ def best(fn: Callable[[], object], repeats: int) -> float:
 
 def run_case(case: Case, n: int, threads: int, repeats: int, root: Path) -> tuple[float, float | None]:
     torch.set_num_threads(threads)
-    data, x, y = case.write(root, n)
+    from workloads.registry import load_workload
+
+    data, _, _ = case.write(root, n)
+    source = load_workload(case.workload).data(data)
     model = _build(case)
     layouts = [torch.contiguous_format] + ([torch.channels_last] if case.conv else [])
-    k = iter(range(10_000))
+    k = (f"{threads}-{i}" for i in range(10_000))  # a fresh ledger per request: nothing is a stored replay
     # Warm-up on a small slice: first calls (kernels, caches, vmap tracing) are not the request's work.
     agent_request(case, case.write(root / "warm", min(n, 2 * CHUNK))[0], model, root / "warm", next(k))
     t_agent, t_plain, t_opacus = float("inf"), float("inf"), float("inf")
     for _ in range(repeats):  # interleaved: a slow moment of the machine hits every contender alike
-        t_plain = min(t_plain, *(best(functools.partial(plain, model, case, x, y, lay), 1) for lay in layouts))
+        t_plain = min(t_plain, *(best(functools.partial(plain, model, case, source, lay), 1) for lay in layouts))
         t_agent = min(t_agent, agent_request(case, data, model, root, next(k)))
         if case.opacus:
-            t_opacus = min(t_opacus, best(lambda: opacus(_build(case), case, x, y), 1))
+            t_opacus = min(t_opacus, best(lambda: opacus(_build(case), case, source), 1))
     ratio = t_agent / t_plain
     to_opacus = t_agent / t_opacus if case.opacus else None
     print(

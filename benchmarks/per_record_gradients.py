@@ -28,8 +28,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from client_agent.gradients import per_example_gradients, summed_gradient
-from protocol.models import build_model, parameter_count
 from simulations.datasets.idx import default_data_dir, load_idx_dataset, normalise_images
+from workloads.models import build_model, parameter_count
 
 DEFAULT_DATA_DIR = default_data_dir()
 LOSS = functools.partial(F.cross_entropy, reduction="none")

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocol.models import build_model, parameter_count
+from workloads.models import build_model, parameter_count
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")

@@ -39,10 +39,10 @@ import torch
 from client_agent.gradients import summed_gradient
 from client_agent.workloads import _cross_entropy
 from coordinator.config import CoordinatorConfig
-from protocol.models import build_model, flatten_parameters, load_flat_parameters
 from simulations.datasets.synthetic import synthetic_classification
 from simulations.engine import backend_config, run_flower
 from simulations.federation import write_clients
+from workloads.models import build_model, flatten_parameters, load_flat_parameters
 
 MODEL_ARGS = {"in_features": 20, "n_classes": 2}
 RECORDS = 100

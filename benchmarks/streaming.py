@@ -39,7 +39,7 @@ from torch.nn import functional as F
 
 from client_agent.streaming import NORM_REL_ERROR, ArraySource, StreamedGradients
 from protocol.filters import clip_scales
-from protocol.models import build_model, parameter_count
+from workloads.models import build_model, parameter_count
 
 LOSS = functools.partial(F.cross_entropy, reduction="none")
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
@@ -284,7 +284,7 @@ def agent_request(model: nn.Module, x_np: np.ndarray, y_np: np.ndarray, repeats:
     from client_agent.agent import Agent
     from client_agent.config import parse_agent_config
     from protocol import messages as wire
-    from protocol.models import flatten_parameters
+    from workloads.models import flatten_parameters
 
     root = Path(tempfile.mkdtemp(prefix="fedfilter-stream-bench-"))
     np.savez(root / "data.npz", x=x_np, y=y_np)

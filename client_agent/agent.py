@@ -34,7 +34,6 @@ from numpy.typing import NDArray
 
 from client_agent import secagg_client
 from client_agent.config import AgentConfig, AgentConfigError, PolicyError
-from client_agent.data_sources import materialise
 from client_agent.identity import load_identity, load_peers
 from client_agent.ledger import Ledger, LedgerConfig, LedgerError
 from client_agent.records import GaussianRecord, MonitorRecord, RealisationRecord
@@ -45,7 +44,8 @@ from protocol import secagg as sa
 from protocol.errors import FedfilterError
 from protocol.filters import Charge, FilterState, charge, clip_scales, partial_clip, remaining
 from protocol.realisation import RealisationFilter, RealisationState, advance, decide, realised_loss
-from protocol.workload import (
+from workloads.data_sources import materialise
+from workloads.registry import (
     BUILTIN_REF,
     DataSource,
     Workload,

@@ -23,7 +23,7 @@ from protocol.messages import MESSAGE_TYPES, TRUST_MODES, UNITS
 from protocol.realisation import RealisationFilter
 from protocol.releases import tree_levels
 from protocol.validate import PrivacyParameterError, integer, open_unit, positive, positive_int
-from protocol.workload import BUILTIN_REF
+from workloads.registry import BUILTIN_REF
 
 AGENT_FILTERS: tuple[str, ...] = (*FILTER_KINDS, "realisation")
 DEFAULT_MIN_NOISE_STD = 1e-6
@@ -168,7 +168,7 @@ class AgentConfig:
     # `fedfilter agent serve` only: the Unix socket the ClientApp proxy connects to, and its mode.
     socket_path: Path | None = None
     socket_mode: int = 0o660
-    # The owner's workload (protocol/workload.py): "package.module:object" or an entry point name of
+    # The owner's workload (workloads/registry.py): "package.module:object" or an entry point name of
     # group fedfilter.workloads. Requests name its models and queries; they never name code.
     workload: str = BUILTIN_REF
     # secagg trust: this agent's long-term Ed25519 signing key (a file only the owner can read), and

@@ -1,4 +1,4 @@
-"""Per-unit gradients at the current model, in the flat layout of :func:`protocol.models.flatten_parameters`.
+"""Per-unit gradients at the current model, in the flat layout of :func:`workloads.models.flatten_parameters`.
 
 Privacy note: these are the raw contributions v_t(u) before clipping; a row is one record's
 gradient (record units) and :func:`summed_gradient` is one client's gradient (client units).

@@ -3,7 +3,7 @@
 DP-FedAvg (McMahan, Ramage, Talwar & Zhang, "Learning differentially private recurrent language
 models", ICLR 2018, Alg. 1 ``UserUpdate``): the client starts from the broadcast parameters theta,
 runs ``steps`` steps of SGD on its own records and returns Delta = theta_local - theta, flattened
-in the layout of :func:`protocol.models.flatten_parameters`.
+in the layout of :func:`workloads.models.flatten_parameters`.
 
 Privacy note: Delta is the client's one row v_t(u). It is not released here: the agent's release
 path clips it to the client's remainder (partial clipping, FZ Alg. 3), charges ||clipped Delta||^2 /
@@ -32,9 +32,9 @@ from protocol import messages as wire
 from protocol.validate import integer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from protocol.workload import Workload
+    from workloads.registry import Workload
 
-# valid(x, y, model) -> (n,) bool tensor: which records are usable (protocol.workload.Workload.valid).
+# valid(x, y, model) -> (n,) bool tensor: which records are usable (workloads.registry.Workload.valid).
 ValidFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]
 
 

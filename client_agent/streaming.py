@@ -629,7 +629,7 @@ class StreamedGradients:
         self.hooks, self.plan_key = hooks, plan_key
         self.n_units = len(source)
         self.dim = sum(p.numel() for p in model.parameters())
-        # The flat layout's trainable entries (protocol.models.trainable_mask): frozen ones are released as 0.
+        # The flat layout's trainable entries (workloads.models.trainable_mask): frozen ones are released as 0.
         self.trainable = np.concatenate(
             [np.full(p.numel(), p.requires_grad, dtype=np.bool_) for p in model.parameters()] or [np.zeros(0, bool)]
         )

@@ -73,7 +73,7 @@ def dry_run(workload: Any, source: Any, *, unit: str, sample: int = SAMPLE) -> d
     from client_agent.isolation import UnbatchableModelError, per_record_validity
     from client_agent.streaming import ArraySource, StreamedGradients, batch_tensor
     from client_agent.workloads import client_gradient_row
-    from protocol.workload import QueryArgs, bounded_rows
+    from workloads.registry import QueryArgs, bounded_rows
 
     problems: list[str] = []
     warnings: list[str] = []

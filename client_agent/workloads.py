@@ -27,13 +27,13 @@ from client_agent.streaming import (
     chunk_for_budget,
 )
 from protocol import messages as wire
-from protocol.builtin_workload import BUILTIN
-from protocol.models import load_flat_parameters, parameter_count
-from protocol.workload import DataSource, QueryArgs, Workload, WorkloadError, bounded_rows, layout_fingerprint
+from workloads.builtin import BUILTIN
+from workloads.models import load_flat_parameters, parameter_count
+from workloads.registry import DataSource, QueryArgs, Workload, WorkloadError, bounded_rows, layout_fingerprint
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The built-in workload's loss (protocol.builtin_workload.cross_entropy)."""
+    """The built-in workload's loss (workloads.builtin.cross_entropy)."""
     return BUILTIN.loss(logits, targets)
 
 
@@ -192,7 +192,7 @@ def indicator_rows(
 
     ``x`` and ``y`` are the records as arrays, or ``x`` is a data source (``y`` None), read in batches.
     ``record`` units: one row of the query's ``dim`` per record, each within the query's declared L2
-    bound (protocol.workload.bounded_rows); ``client`` units: the sum of the client's rows, one row.
+    bound (workloads.registry.bounded_rows); ``client`` units: the sum of the client's rows, one row.
     A name the workload does not register, or a ``column`` beyond the features, is malformed.
     """
     registry = workload if workload is not None else BUILTIN

@@ -17,7 +17,7 @@ from coordinator.analysts import ANALYSTS
 from coordinator.tasks import TASKS
 from protocol import messages as wire
 from protocol.errors import FedfilterError
-from protocol.workload import BUILTIN_REF, Workload, WorkloadError, load_workload
+from workloads.registry import BUILTIN_REF, Workload, WorkloadError, load_workload
 
 MONITORS: tuple[str, ...] = ("none", "svt", "tree")
 
@@ -80,7 +80,7 @@ class CoordinatorConfig:
     secagg_scale_bits: int = 24
     round_timeout: float = 120.0
     enrol_timeout: float = 120.0
-    # The run's workload (protocol/workload.py), the same object the clients name in their agent TOML:
+    # The run's workload (workloads/registry.py), the same object the clients name in their agent TOML:
     # the coordinator builds its model from it; requests carry only its model and query names.
     workload: str = BUILTIN_REF
     # Local training (gradient task, unit 'client'; DP-FedAvg, McMahan et al. 2018): each client runs

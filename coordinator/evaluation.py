@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from coordinator.config import CoordinatorConfig, CoordinatorConfigError
-from protocol.models import load_flat_parameters
+from workloads.models import load_flat_parameters
 
 
 def model_evaluator(cfg: CoordinatorConfig, x: np.ndarray, y: np.ndarray):  # type: ignore[no-untyped-def]

@@ -42,7 +42,7 @@ from coordinator.monitor import gaussian_bound
 from coordinator.release import Ask, Released, ReleaseStep
 from coordinator.report import RoundLog, RunWriter
 from protocol import messages as wire
-from protocol.workload import layout_fingerprint
+from workloads.registry import layout_fingerprint
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
@@ -142,14 +142,14 @@ def common_fields(cfg: CoordinatorConfig, purpose: str, rnd: int) -> dict[str, A
 def _layout_of(workload: str, model: str, model_args: str) -> str:
     import torch
 
-    from protocol.workload import load_workload
+    from workloads.registry import load_workload
 
     with torch.device("meta"):  # shapes only
         return layout_fingerprint(load_workload(workload).build_model(model, **json.loads(model_args)))
 
 
 def model_layout(cfg: CoordinatorConfig) -> str:
-    """The parameter layout of the run's model (protocol.workload.layout_fingerprint), sent with every model."""
+    """The parameter layout of the run's model (workloads.registry.layout_fingerprint), sent with every model."""
     return _layout_of(cfg.workload, cfg.model, cfg.canonical_model_args)
 
 
@@ -202,7 +202,7 @@ class GradientTask:
         trainable: np.ndarray | None = None,
     ) -> None:
         self.cfg, self.parameters, self.evaluate = cfg, parameters, evaluate
-        # Frozen entries (protocol.models.trainable_mask) never move: the agents release zeros there
+        # Frozen entries (workloads.models.trainable_mask) never move: the agents release zeros there
         # and, in central trust, the noise added there is discarded.
         self.trainable = np.ones(parameters.size, dtype=np.bool_) if trainable is None else trainable
         self.metrics: dict[str, float] = {}
@@ -211,7 +211,7 @@ class GradientTask:
 
     @classmethod
     def build(cls, cfg: CoordinatorConfig, *, analyst: Analyst | None, evaluate: Evaluate | None) -> GradientTask:
-        from protocol.models import flatten_parameters, trainable_mask  # torch: only tasks that build a model
+        from workloads.models import flatten_parameters, trainable_mask  # torch: only tasks that build a model
 
         model = cfg.load_workload().build_model(cfg.model, seed=cfg.seed, **json.loads(cfg.model_args))
         parameters = flatten_parameters(model).astype(np.float32)

@@ -8,7 +8,7 @@ while ``except FedfilterError`` catches exactly fedfilter's own errors (the shap
 
 The errors shared by both sides of the wire live here; each package's own errors live beside
 their code (``client_agent.ledger.LedgerError``, ``client_agent.config.PolicyError``,
-``protocol.workload.WorkloadError``, ...) and derive from :class:`FedfilterError` the same way.
+``workloads.registry.WorkloadError``, ...) and derive from :class:`FedfilterError` the same way.
 The client agent turns an exception into a wire code through one table
 (``client_agent.agent.EXCEPTION_CODES``); what crosses the wire is the code's fixed text, never
 an exception's message (privacy.md §8).

@@ -52,16 +52,16 @@ MESSAGE_TYPES: tuple[str, ...] = (GRADIENT, INDICATOR, MONITOR, STATUS, *SECAGG_
 TRUST_MODES: tuple[str, ...] = ("local", "central", "secagg")
 UNITS: tuple[str, ...] = ("client", "record")
 
-# An indicator query names a query of the client's workload (protocol/workload.py): any name of
+# An indicator query names a query of the client's workload (workloads/registry.py): any name of
 # letters, digits, '_', '.', '-' decodes; a name the client's workload does not register is refused
-# by the agent (malformed). The built-in workload's queries (protocol/builtin_workload.py):
+# by the agent (malformed). The built-in workload's queries (workloads/builtin.py):
 #   column     indicator = X[:, column] != 0            (sparse counting queries, FZ Thm 1.2)
 #   label      indicator = y == value
 #   threshold  indicator = X[:, column] > value
 #   correct    indicator = the request's model classifies the record correctly (training accuracy,
 #              for a private plateau test; the request then carries model, model_args, parameters)
 PREDICATES: tuple[str, ...] = ("column", "label", "threshold", "correct")
-# A model's parameter layout (protocol.workload.layout_fingerprint): SHA-256 hex of its (name, shape, dtype) list.
+# A model's parameter layout (workloads.registry.layout_fingerprint): SHA-256 hex of its (name, shape, dtype) list.
 LAYOUT_HEX = 64
 
 # Error codes of typed Error replies (Flower ``Error(code, reason)``).
@@ -269,7 +269,7 @@ class GradientRequest(RequestBase):
     local_steps: int = 0
     local_lr: float | None = None
     local_batch_size: int | None = None
-    # The coordinator's parameter layout of ``model`` (protocol.workload.layout_fingerprint); the
+    # The coordinator's parameter layout of ``model`` (workloads.registry.layout_fingerprint); the
     # client refuses the request when its own build of the named model has another. Optional on the wire.
     layout: str | None = None
 

@@ -1,7 +1,7 @@
 """Owner workloads for the isolation audit (tests/unit/test_isolation_audit.py): three that mix records when
 run on a batch, and non-mixing controls on every layer path of the per-record engine.
 
-Each is an ordinary workload (protocol.workload.Workload) that an agent TOML could name, e.g.
+Each is an ordinary workload (workloads.registry.Workload) that an agent TOML could name, e.g.
 ``workload = "tests.isolation_workloads:CENTRED"``. The mixing ones are the issue-22 findings:
 
 - ``CENTRED``: squared error against batch-centred targets (the loss subtracts the batch's mean target);
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from protocol.workload import DataSource, Workload
+from workloads.registry import DataSource, Workload
 
 FEATURES = 6
 CLASSES = 3
@@ -31,7 +31,7 @@ TOKENS, VOCAB = 8, 20
 
 
 def _data(path: Path) -> DataSource:
-    from client_agent.data_sources import open_source
+    from workloads.data_sources import open_source
 
     return open_source(path)
 
@@ -239,7 +239,7 @@ def _ce(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _valid(x: torch.Tensor, y: torch.Tensor, model: Any = None) -> torch.Tensor:
-    from protocol.workload import finite_features
+    from workloads.registry import finite_features
 
     return finite_features(x, y, model)
 

@@ -12,9 +12,9 @@ from client_agent.agent import Agent
 from client_agent.config import parse_agent_config
 from examples.gn_regression import workload as example
 from protocol import messages as wire
-from protocol.models import flatten_parameters
-from protocol.workload import layout_fingerprint
 from tests.factories import gradient_request, indicator_request
+from workloads.models import flatten_parameters
+from workloads.registry import layout_fingerprint
 
 REF = "examples.gn_regression.workload:WORKLOAD"
 RECORDS = 12

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from protocol.workload import Demo, Query, QueryArgs, Workload
+from workloads.registry import Demo, Query, QueryArgs, Workload
 
 SIDE = 8  # each record: a 1 x 8 x 8 grid
 OUTPUTS = 2  # two regression targets per record
@@ -66,7 +66,7 @@ class GridRegressionFile(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def grid_data(path: Path) -> Any:
-    from client_agent.data_sources import TorchDatasetSource
+    from workloads.data_sources import TorchDatasetSource
 
     return TorchDatasetSource(GridRegressionFile(path))
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from protocol.workload import Workload
+from workloads.registry import Workload
 
 VOCAB, TOKENS, CLASSES = 64, 16, 4
 
@@ -103,7 +103,7 @@ class DictItems(Dataset[dict[str, Any]]):
 
 
 def dict_data(path: Path) -> Any:
-    from client_agent.data_sources import TorchDatasetSource
+    from workloads.data_sources import TorchDatasetSource
 
     return TorchDatasetSource(DictItems(path))
 

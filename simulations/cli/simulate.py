@@ -26,7 +26,7 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="default: quickstart (workload when --workload is given)")
     p.add_argument(
         "--workload",
-        help="a workload 'package.module:object' (protocol/workload.py) with a demo hook: the agents and the "
+        help="a workload 'package.module:object' (workloads/registry.py) with a demo hook: the agents and the "
         "coordinator load it (modules resolve from the current folder, as with python -m)",
     )
     p.add_argument("--clients", type=int, help="number of clients (virtual SuperNodes)")

@@ -55,7 +55,7 @@ FLOWER_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # no `uv sync` of the app bundle (no network)
     "PYTHONUNBUFFERED": "1",
 }
-APP_PACKAGES = ("protocol", "client_agent", "coordinator")
+APP_PACKAGES = ("protocol", "workloads", "client_agent", "coordinator")
 ACTIVATION_REFUSED = "Failed to activate SuperNode"
 _NODE_ID = re.compile(r"SuperNode ID: (\d+)")
 

@@ -42,7 +42,7 @@ class Options:
     download: bool = False  # fetch missing dataset files from the canonical mirrors
     out: str | None = None  # default: fedfilter-out/<preset>-<UTC time>, a new folder per run
     engine: str = "flower"
-    # The ``workload`` preset: "package.module:object" (protocol/workload.py); both sides load it.
+    # The ``workload`` preset: "package.module:object" (workloads/registry.py); both sides load it.
     workload: str | None = None
     # Local training (quickstart with unit 'client'; DP-FedAvg): CoordinatorConfig's local_* and server_lr.
     local_steps: int | None = None

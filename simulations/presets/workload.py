@@ -8,9 +8,9 @@ from typing import Any
 
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import model_evaluator
-from protocol.workload import WorkloadError, load_workload
 from simulations.errors import SimulationError
 from simulations.presets.base import Options, Plan, pick, worst_case_rounds
+from workloads.registry import WorkloadError, load_workload
 
 
 def workload_demo(opts: Options, out: Path) -> Plan:

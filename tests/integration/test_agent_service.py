@@ -329,8 +329,8 @@ def test_the_service_answers_a_users_own_workload(tmp_path: Path) -> None:
     """A deployed agent on the example workload (examples/gn_regression: its own model, loss, dataset
     class and histogram query), through the proxy's wire, with no change to fedfilter."""
     from examples.gn_regression import workload as example
-    from protocol.models import parameter_count
     from tests.workload_fixtures import histogram, model_request, write_agent
+    from workloads.models import parameter_count
 
     toml = write_agent(tmp_path, **{"agent-socket": str(tmp_path / "agent.sock")})
     proc = start(toml)

@@ -15,9 +15,9 @@ from client_agent.ledger import Ledger
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import model_evaluator
 from coordinator.rounds import run
-from protocol.models import build_model, flatten_parameters
 from simulations.inprocess import InProcessTransport
 from tests.factories import federation
+from workloads.models import build_model, flatten_parameters
 
 CLIENTS, RECORDS, FEATURES, ROUNDS = 5, 40, 5, 4
 

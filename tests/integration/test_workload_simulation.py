@@ -34,7 +34,7 @@ def test_example_workload_in_process_and_clear_errors(tmp_path: Path, capsys: py
     assert main([*argv, "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds_completed"] == 2 and summary["privacy"]["unit"] == "record"
-    assert main(["simulate", "--workload", "protocol.builtin_workload:BUILTIN", "--out", str(tmp_path / "b")]) == 2
+    assert main(["simulate", "--workload", "workloads.builtin:BUILTIN", "--out", str(tmp_path / "b")]) == 2
     assert "expected a workload with a demo hook" in capsys.readouterr().err
     assert main(["simulate", "--workload", "nope.module:W", "--out", str(tmp_path / "c")]) == 2
     assert "expected an importable module 'nope.module'" in capsys.readouterr().err

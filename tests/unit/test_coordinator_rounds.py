@@ -15,8 +15,8 @@ from coordinator.enrolment import EnrolmentError
 from coordinator.rounds import noise_rng, run
 from coordinator.transport import Payload, RoundReplies
 from protocol import messages as wire
-from protocol.models import build_model, flatten_parameters
 from tests.factories import gradient_run, status
+from workloads.models import build_model, flatten_parameters
 
 NODES = [987_654_321, 987_654_322, 987_654_323]
 

@@ -1,4 +1,4 @@
-"""Data sources (client_agent/data_sources.py): count, re-iterable batches, chunked fingerprint, errors."""
+"""Data sources (workloads/data_sources.py): count, re-iterable batches, chunked fingerprint, errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from client_agent.data_sources import (
+from workloads.data_sources import (
     IdxSource,
     NpyPairSource,
     NpzSource,
@@ -144,7 +144,7 @@ def test_idx_normalise_gives_standardised_float_images_that_the_builtin_cnn_take
     """Review finding: the built-in workload opened IDX files as raw uint8, which its CNN could not take on the
     record path. With normalise=(mean, std) (what the built-in workload passes), x is float32 (b, 1, 28, 28)."""
     from client_agent.streaming import StreamedGradients
-    from protocol.builtin_workload import BUILTIN, MNIST_NORMALISATION
+    from workloads.builtin import BUILTIN, MNIST_NORMALISATION
 
     rng = np.random.default_rng(2)
     images, labels = rng.integers(0, 256, size=(7, 28, 28)), rng.integers(0, 10, size=7)

@@ -19,7 +19,7 @@ from protocol import messages as wire
 from protocol import secagg as sa
 from protocol.errors import FedfilterError
 from protocol.validate import PrivacyParameterError, integer
-from protocol.workload import WorkloadError
+from workloads.registry import WorkloadError
 
 # Text that must never reach the wire: an owner's path and a data fingerprint.
 SECRET = "/home/owner/records.npz sha256=9f86d081884c7d659a2feaa0c55ad015"

@@ -83,7 +83,7 @@ def make_work_folder(app: Path, name: str) -> list[str]:
         (work / rel).write_text(text)
     # The bundles Flower unpacked for the SuperLink and each SuperNode: a full copy of the app's code each.
     for home in ("flwr", "node0", "node1", "node2"):
-        for package in ("client_agent", "coordinator", "protocol"):
+        for package in ("client_agent", "coordinator", "protocol", "workloads"):
             shutil.copytree(
                 app / package,
                 work / home / "apps" / unpacked / package,

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from client_agent.gradients import per_example_gradients, summed_gradient
-from protocol.models import (
+from workloads.models import (
     MODELS,
     build_model,
     flatten_parameters,

@@ -35,9 +35,9 @@ import pytest
 
 from client_agent.state import AgentState
 from protocol import messages as wire
-from protocol.models import flatten_parameters
 from tests import isolation_workloads as iw
 from tests.factories import build_agent
+from workloads.models import flatten_parameters
 
 N = 12
 SIGMA, CLIP = 0.5, 2.0

@@ -19,7 +19,7 @@ def heavy_modules_after(code: str) -> list[str]:
 def test_protocol_filters_and_messages_load_neither_torch_nor_flower_nor_cryptography() -> None:
     code = (
         "import json, sys\n"
-        "import protocol.filters, protocol.messages, protocol.secagg, protocol.workload\n"
+        "import protocol.filters, protocol.messages, protocol.secagg, workloads.registry\n"
         "print(json.dumps(sorted(m for m in ('torch', 'flwr', 'cryptography') if m in sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -24,8 +24,8 @@ from coordinator.config import CoordinatorConfig, CoordinatorConfigError
 from coordinator.rounds import run
 from coordinator.transport import Payload, RoundReplies
 from protocol import messages as wire
-from protocol.models import build_model, flatten_parameters, load_flat_parameters
 from tests.factories import N_PARAMS, build_agent, client_data, gradient_request, gradient_run, status
+from workloads.models import build_model, flatten_parameters, load_flat_parameters
 
 LOCAL = {"local_steps": 3, "local_lr": 0.5, "local_batch_size": 4}
 # What every agent here is: one client unit in central trust, with a policy and seeded noise.
@@ -174,7 +174,7 @@ def test_local_update_matches_a_hand_written_loop() -> None:
 
 
 def test_a_workload_rule_and_loss_give_the_same_update_as_the_default() -> None:
-    from protocol.builtin_workload import BUILTIN
+    from workloads.builtin import BUILTIN
 
     x, y = client_data(12, seed=5)
     x[2, 1], y[7] = np.inf, -1

@@ -20,11 +20,11 @@ from client_agent.streaming import ArraySource, StreamedGradients
 from client_agent.workload_check import dry_run, model_problems
 from examples.model_zoo.workload import WORKLOAD, DictItems, dict_data, make_records
 from protocol import messages as wire
-from protocol.models import flatten_parameters, trainable_mask
-from protocol.workload import Workload
 from simulations.cli import main as cli_main
 from simulations.deploy.agent_files import write_agent_toml
 from tests.factories import build_agent
+from workloads.models import flatten_parameters, trainable_mask
+from workloads.registry import Workload
 
 
 def loop_gradients(model: nn.Module, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -119,7 +119,7 @@ def test_dict_item_datasets_and_their_errors(tmp_path: Path) -> None:
     bx, by = next(iter(dict_data(tmp_path / "t.npz").batches(5)))
     np.testing.assert_array_equal(bx, x)
     np.testing.assert_array_equal(by, y)
-    from client_agent.data_sources import TorchDatasetSource
+    from workloads.data_sources import TorchDatasetSource
 
     class Bad(DictItems):
         def __getitem__(self, i: int) -> dict[str, object]:
@@ -165,7 +165,7 @@ REFUSING = Workload(
     name="refusing",
     models=_refused(),  # type: ignore[arg-type]
     loss=lambda out, t: nn.functional.cross_entropy(out, t.long(), reduction="none"),
-    data=lambda p: __import__("client_agent.data_sources", fromlist=["open_source"]).open_source(p),
+    data=lambda p: __import__("workloads.data_sources", fromlist=["open_source"]).open_source(p),
 )
 
 
@@ -209,7 +209,7 @@ def test_a_validity_rule_that_nulls_the_sample_is_warned_about(tmp_path: Path) -
     x, y = make_records(20, seed=0)
     y[:3] = 99  # labels no model of the zoo can take
     np.savez(tmp_path / "t.npz", x=x, y=y)
-    from protocol.builtin_workload import classification_records
+    from workloads.builtin import classification_records
 
     zoo = Workload(
         name="zoo_labels",

@@ -41,7 +41,7 @@ from client_agent.streaming import (
     record_norms,
     weighted_gradient_sum,
 )
-from protocol.models import build_model
+from workloads.models import build_model
 
 LOSS = functools.partial(F.cross_entropy, reduction="none")
 ROOT = Path(__file__).resolve().parents[2]
@@ -545,7 +545,7 @@ def test_a_token_id_beyond_the_vocabulary_is_the_null_element_not_an_error() -> 
     """Review finding: with the default validity rule, a record holding a token id >= the vocabulary the
     coordinator chose made the forward raise, an uncharged internal error; the coordinator could
     binary-search the client's largest token id. The record is now the null element: norm 0, no charge."""
-    from protocol.workload import finite_features
+    from workloads.registry import finite_features
 
     x = torch.tensor([[1, 2, 3], [4, 45, 6], [7, 8, 9]])
     y = torch.tensor([0, 1, 0])
@@ -606,7 +606,7 @@ def test_a_stopped_record_is_never_evaluated_at_a_zeroed_input() -> None:
 def test_validity_sees_the_sources_own_values_before_the_float32_conversion() -> None:
     """Review finding: float64 labels were rounded to float32 before the validity rule, so 2.0000001 passed the
     built-in classifier's 'integer label' check as class 2. The rule now sees the source's own values."""
-    from protocol.builtin_workload import BUILTIN
+    from workloads.builtin import BUILTIN
 
     model = BUILTIN.build_model("logreg", seed=0, in_features=3, n_classes=3)
     x = np.ones((4, 3), np.float32)

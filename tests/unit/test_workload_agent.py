@@ -17,10 +17,10 @@ from coordinator.config import CoordinatorConfig
 from coordinator.enrolment import EnrolmentError, enrol
 from examples.gn_regression import workload as example
 from protocol import messages as wire
-from protocol.models import flatten_parameters
-from protocol.workload import WorkloadError
 from simulations.inprocess import InProcessTransport
 from tests.workload_fixtures import RECORDS, REF, deployed_agent, histogram, model_request, write_agent
+from workloads.models import flatten_parameters
+from workloads.registry import WorkloadError
 
 
 def test_status_describes_the_workload_by_names(tmp_path: Path) -> None:
@@ -80,7 +80,7 @@ def test_unknown_model_unknown_query_and_a_layout_mismatch_are_refused(tmp_path:
     ("workload", "message"),
     [
         ("examples.gn_regression.workload", "expected 'package.module:object' or an entry point"),
-        ("examples.gn_regression.workload:make_records", "expected a protocol.workload.Workload, found"),
+        ("examples.gn_regression.workload:make_records", "expected a workloads.registry.Workload, found"),
         ("examples.gn_regression.workload:NOPE", "has no attribute 'NOPE'"),
     ],
 )

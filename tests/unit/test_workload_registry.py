@@ -1,4 +1,4 @@
-"""The workload registry (protocol/workload.py): loading, validation, model factories, built-ins, layouts."""
+"""The workload registry (workloads/registry.py): loading, validation, model factories, built-ins, layouts."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from protocol import messages as wire
-from protocol.builtin_workload import BUILTIN
-from protocol.models import MODELS, build_model
-from protocol.workload import (
+from workloads.builtin import BUILTIN
+from workloads.models import MODELS, build_model
+from workloads.registry import (
     BUILTIN_REF,
     Query,
     QueryArgs,
@@ -49,7 +49,7 @@ TINY = Workload(
 
 
 def test_importing_the_workload_module_loads_neither_torch_nor_flwr() -> None:
-    code = "import sys, protocol.workload; print(sorted(m for m in ('torch', 'flwr') if m in sys.modules))"
+    code = "import sys, workloads.registry; print(sorted(m for m in ('torch', 'flwr') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path.cwd())
     assert out.stdout.strip() == "[]"
 
@@ -65,9 +65,9 @@ def test_load_by_module_and_object_and_by_entry_point_name() -> None:
     [
         ("", r"workload: expected 'package.module:object' or an entry point name, got ''"),
         ("no_such_module_xyz:W", r"expected an importable module 'no_such_module_xyz'"),
-        ("protocol.builtin_workload:NOPE", r"module 'protocol.builtin_workload' has no attribute 'NOPE'"),
-        (f"{__name__}:NOT_A_WORKLOAD", r"expected a protocol.workload.Workload, found dict"),
-        ("protocol.builtin_workload:", r"expected 'package.module:object', got"),
+        ("workloads.builtin:NOPE", r"module 'workloads.builtin' has no attribute 'NOPE'"),
+        (f"{__name__}:NOT_A_WORKLOAD", r"expected a workloads.registry.Workload, found dict"),
+        ("workloads.builtin:", r"expected 'package.module:object', got"),
         ("not-an-entry-point", r"group 'fedfilter.workloads' \(installed: .*\), got 'not-an-entry-point'"),
     ],
 )
@@ -80,7 +80,7 @@ def test_a_workload_is_validated_at_construction() -> None:
     base = {"name": "w", "models": {}, "loss": print, "data": print}
     with pytest.raises(WorkloadError, match="expected a workload name"):
         Workload(**{**base, "name": "bad name!"})
-    with pytest.raises(WorkloadError, match=r"query 'q': expected a protocol.workload.Query, got int"):
+    with pytest.raises(WorkloadError, match=r"query 'q': expected a workloads.registry.Query, got int"):
         Workload(**base, queries={"q": 3})  # type: ignore[dict-item]
     with pytest.raises(WorkloadError, match="model 'm': expected a callable factory"):
         Workload(**{**base, "models": {"m": 3}})  # type: ignore[dict-item]

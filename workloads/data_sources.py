@@ -1,6 +1,6 @@
 """A client's records as a data source: a public count, re-iterable batches and a fingerprint.
 
-The protocol (:class:`protocol.workload.DataSource`): ``len(source)`` (the number of records, a
+The protocol (:class:`workloads.registry.DataSource`): ``len(source)`` (the number of records, a
 stable public count: it fixes ``n_units`` in the ledger), ``source.batches(size)`` yielding
 ``(x, y)`` pairs of at most ``size`` records in the same order on every call (a request reads the
 data more than once), and ``source.fingerprint()`` (SHA-256 of the data, hashed in chunks, written

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
 ENTRY_POINT_GROUP = "fedfilter.workloads"
-BUILTIN_REF = "protocol.builtin_workload:BUILTIN"
+BUILTIN_REF = "workloads.builtin:BUILTIN"
 # Names that may cross the wire: model and query names are looked up, never imported.
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$")
 
@@ -116,7 +116,7 @@ def finite_features(x: torch.Tensor, y: torch.Tensor, model: nn.Module | None = 
     Privacy note: the coordinator chooses the vocabulary size (``model_args``); a record whose id the
     model cannot take is the null element (zero contribution, no charge), never an error, which would
     answer, uncharged, "does some record hold a token id >= k?" (privacy.md §1, §2), as
-    :func:`protocol.builtin_workload.classification_records` does for labels. The agent logs how many
+    :func:`workloads.builtin.classification_records` does for labels. The agent logs how many
     records each request treated as null (client_agent.agent), so a rule that nulls a data set is seen.
     """
     import torch
@@ -209,7 +209,7 @@ class Workload:
 
     - ``models``: factories by name, ``models[name](**model_args) -> nn.Module``;
     - ``loss(outputs, targets) -> (b,)``: per-example losses (reduction none);
-    - ``data(data_path) -> DataSource``: the client's records (:mod:`client_agent.data_sources`);
+    - ``data(data_path) -> DataSource``: the client's records (:mod:`workloads.data_sources`);
     - ``valid(x, y, model) -> (b,) bool``: which records are usable; the others are the null element;
     - ``queries``: per-record vector queries by name (:class:`Query`);
     - ``evaluate``: optional server-side evaluation ``evaluate(model, x, y) -> metrics``;
@@ -238,7 +238,7 @@ class Workload:
         for key, query in self.queries.items():
             if not isinstance(query, Query):
                 raise WorkloadError(
-                    f"workload {self.name!r}: query {key!r}: expected a protocol.workload.Query, "
+                    f"workload {self.name!r}: query {key!r}: expected a workloads.registry.Query, "
                     f"got {type(query).__name__}"
                 )
         for what in ("loss", "data", "valid"):
@@ -270,7 +270,7 @@ class Workload:
         An unknown name, arguments the factory does not take, a factory that raises or returns
         something other than an ``nn.Module``: a :class:`WorkloadError` naming what was expected.
         """
-        from protocol.models import build_with
+        from workloads.models import build_with
 
         try:
             return build_with(self.model_factory(name), name, seed=seed, **params)
@@ -340,7 +340,7 @@ def load_workload(ref: str) -> Workload:
         except Exception as exc:
             raise WorkloadError(f"workload {ref!r}: the entry point does not load: {exc!r}") from exc
     if not isinstance(obj, Workload):
-        raise WorkloadError(f"workload {ref!r}: expected a protocol.workload.Workload, found {type(obj).__name__}")
+        raise WorkloadError(f"workload {ref!r}: expected a workloads.registry.Workload, found {type(obj).__name__}")
     return obj
 
 
@@ -370,7 +370,7 @@ def layout_fingerprint(model: nn.Module) -> str:
     """SHA-256 over the ordered ``(name, shape, dtype, trainable)`` of ``model.named_parameters()``: the flat layout.
 
     Two models with the same fingerprint read and write the wire's flat parameter vector the same
-    way (protocol.models.flatten_parameters) and agree on which entries are trainable (frozen ones
+    way (workloads.models.flatten_parameters) and agree on which entries are trainable (frozen ones
     are neither released nor moved). Works on a model built on the meta device.
     """
     h = hashlib.sha256()

@@ -1,6 +1,6 @@
 """The built-in workload ``builtin``: today's models, cross-entropy, the ``.npz`` data and four predicates.
 
-It is registered like any user's workload (:mod:`protocol.workload`); presets, demos and tests go
+It is registered like any user's workload (:mod:`workloads.registry`); presets, demos and tests go
 through this same registry. Queries (0/1 predicates, so each record's vector has L2 bound 1):
 
 - ``column``    X[:, column] != 0     (sparse counting queries, FZ Thm 1.2)
@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from protocol.models import MODELS
-from protocol.workload import DataSource, Query, QueryArgs, Workload, finite_features
+from workloads.models import MODELS
+from workloads.registry import DataSource, Query, QueryArgs, Workload, finite_features
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -56,7 +56,7 @@ MNIST_NORMALISATION = (0.1307, 0.3081)
 
 def npz_data(path: Path) -> DataSource:
     """``.npz`` / ``.npy`` pairs as stored; MNIST IDX files as standardised float32 ``(n, 1, 28, 28)`` images."""
-    from client_agent.data_sources import open_source
+    from workloads.data_sources import open_source
 
     return open_source(path, normalise=MNIST_NORMALISATION)
 

@@ -2,8 +2,8 @@
 
 The flat layout (``model.parameters()`` order, each tensor flattened row-major, float32) is part
 of the wire contract: the coordinator sends it, clients load it and return gradients in it.
-Models are looked up in a workload's registry (:mod:`protocol.workload`; the built-ins of
-:data:`MODELS` are :mod:`protocol.builtin_workload`), never imported by a name taken from data.
+Models are looked up in a workload's registry (:mod:`workloads.registry`; the built-ins of
+:data:`MODELS` are :mod:`workloads.builtin`), never imported by a name taken from data.
 """
 
 from __future__ import annotations
@@ -66,11 +66,11 @@ MODELS: Mapping[str, Callable[..., nn.Module]] = MappingProxyType(
 
 
 def build_model(name: str, *, seed: int | torch.Generator = 0, **params: object) -> nn.Module:
-    """Build model ``name`` of the built-in workload (:mod:`protocol.builtin_workload`), init drawn from ``seed``.
+    """Build model ``name`` of the built-in workload (:mod:`workloads.builtin`), init drawn from ``seed``.
 
     The built-ins go through the same registry as any user's workload; see :func:`build_with`.
     """
-    from protocol.builtin_workload import BUILTIN
+    from workloads.builtin import BUILTIN
 
     if name not in BUILTIN.models:
         raise ValueError(f"model: expected one of {sorted(BUILTIN.models)}, got {name!r}")
