@@ -10,8 +10,8 @@ Per block of records, :func:`fused_clipped_sum`: each record's gradient rows (mo
 kind from their input and backprop, :mod:`client_agent.layers`; every other trainable parameter's
 gradient directly), each record's norm from exactly those rows (float64), its weight from the
 caller (``weights(start, norms)``: Agent.release's clip scale x admitted, each record's from its own
-norm and its state before the request), then sum_i w_i rows_i in float64. Which modules are tapped,
-and whether vmap or a loop over records runs, is decided once per request on synthetic records.
+norm and its state before the request), then sum_i w_i rows_i in float64. Which modules are tapped
+is decided on synthetic records (a model vmap cannot run is refused), kept per agent process.
 
 Privacy notes (privacy.md §1, §2, §8):
 
