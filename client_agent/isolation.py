@@ -121,16 +121,23 @@ class _Tap:
         self.shapes = [None] * n
         self.single = [True] * n
 
-    def guard(self, m: nn.Module, args: tuple[Any, ...]) -> Any:
+    def guard(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An id outside ``[0, num_embeddings)`` makes its record the null element (its loss times 0) and is
         looked up as id 0: an error there would refuse the request, uncharged, for one record's value
-        (e.g. "is some category >= k?" for a table size the coordinator chose)."""
-        if not self.mode or not args or not isinstance(args[0], torch.Tensor):
+        (e.g. "is some category >= k?" for a table size the coordinator chose). ``nn.Embedding`` and
+        ``nn.EmbeddingBag``, their ids passed by position or as ``input=``."""
+        if not self.mode:
             return None
-        ids = args[0]
+        keyword = not args and isinstance(kwargs.get("input"), torch.Tensor)
+        ids = kwargs["input"] if keyword else (args[0] if args else None)
+        if not isinstance(ids, torch.Tensor):
+            return None
         bad = (ids < 0) | (ids >= cast(nn.Embedding, m).num_embeddings)
         self.bad = self.bad | bad.any()
-        return (torch.where(bad, torch.zeros((), dtype=ids.dtype, device=ids.device), ids), *args[1:])
+        safe = torch.where(bad, torch.zeros((), dtype=ids.dtype, device=ids.device), ids)
+        if keyword:
+            return args, {**kwargs, "input": safe}
+        return (safe, *args[1:]), kwargs
 
     def hook(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         k = self.modules.get(id(m))
@@ -202,8 +209,8 @@ class PerRecord:
     def _hooks(self) -> Iterator[None]:
         """The tap's forward hooks on the candidate modules, for the duration of one pass."""
         handles = [m.register_forward_hook(self.tap.hook, with_kwargs=True) for _, m, _ in self.candidates]
-        guarded = [m for m in self.model.modules() if isinstance(m, nn.Embedding)]
-        handles += [m.register_forward_pre_hook(self.tap.guard) for m in guarded]
+        guarded = [m for m in self.model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)]
+        handles += [m.register_forward_pre_hook(self.tap.guard, with_kwargs=True) for m in guarded]
         try:
             yield
         finally:

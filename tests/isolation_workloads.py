@@ -218,6 +218,20 @@ class TwoTables(nn.Module):
         return self.head(self.tok(x).mean(dim=1) + self.cat(x[:, 0]))
 
 
+class KeywordTables(nn.Module):
+    """TwoTables with the category table called by keyword and the tokens pooled by an EmbeddingBag (a second
+    review: the guard missed ``input=`` calls)."""
+
+    def __init__(self, categories: int = VOCAB) -> None:
+        super().__init__()
+        self.tok = nn.EmbeddingBag(VOCAB, 4, mode="mean")
+        self.cat = nn.Embedding(categories, 4)
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tok(x) + self.cat(input=x[:, 0]))
+
+
 class TiedMaxNorm(nn.Module):
     """An embedding with max_norm whose table is also used whole (review F2): the in-place renormalisation
     would let records see each other's lookups. Refused by model_problems."""
@@ -263,6 +277,7 @@ CONTROLS = Workload(
         "branchy": Branchy,
         "running_max": RunningMax,
         "two_tables": TwoTables,
+        "keyword_tables": KeywordTables,
         "tied_max_norm": TiedMaxNorm,
     },
     loss=_ce,

@@ -106,18 +106,18 @@ class Query:
 
 
 def finite_features(x: torch.Tensor, y: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
-    """The default validity rule: a record is usable when its features (and float targets) are finite,
-    and, for integer features fed to a model with embeddings, when every id lies in [0, the vocabulary)
-    of the embeddings that take the model's input itself (:func:`input_vocabulary`).
+    """The default validity rule: a record is usable when its features (and float targets) are finite.
 
     Written without in-place operations, so that the agent can apply it to each record alone under
-    ``torch.func.vmap`` (client_agent.isolation.per_record_validity).
-
-    Privacy note: the coordinator chooses the vocabulary size (``model_args``); a record whose id the
-    model cannot take is the null element (zero contribution, no charge), never an error, which would
-    answer, uncharged, "does some record hold a token id >= k?" (privacy.md §1, §2), as
-    :func:`workloads.builtin.classification_records` does for labels. The agent logs how many
-    records each request treated as null (client_agent.agent), so a rule that nulls a data set is seen.
+    ``torch.func.vmap`` (client_agent.isolation.per_record_validity). ``model`` is accepted for the
+    rule's signature and not used: token ids are checked where they are looked up, by the agent's
+    guard on every ``nn.Embedding``/``nn.EmbeddingBag`` (client_agent.isolation), which makes a record
+    holding an id outside the table it reaches the null element (zero contribution, no charge), never
+    an error, which would answer, uncharged, "does some record hold a token id >= k?" (privacy.md §2).
+    (This rule used to null every record with an id beyond the smallest table of the model, so a
+    positional or category table nulled whole data sets; the guard nulls only the records it must.)
+    Labels and any other bound the loss needs are the workload's own rule's job (the built-in
+    classifier's rule, ``workloads.builtin.classification_records``, checks labels).
     """
     import torch
 
@@ -125,54 +125,7 @@ def finite_features(x: torch.Tensor, y: torch.Tensor, model: nn.Module | None = 
     ok = torch.isfinite(x.reshape(b, -1)).all(dim=1) if x.is_floating_point() else torch.ones(b, dtype=torch.bool)
     if y.is_floating_point():
         ok = ok & torch.isfinite(y.reshape(y.shape[0], -1)).all(dim=1)
-    if model is not None and not x.is_floating_point():
-        vocab = input_vocabulary(model, tuple(x.shape[1:]), x.dtype)
-        if vocab is not None:
-            ids = x.reshape(b, -1)
-            ok = ok & ((ids >= 0) & (ids < vocab)).all(dim=1)
     return ok
-
-
-def input_vocabulary(model: nn.Module, record_shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
-    """The smallest vocabulary among the ``nn.Embedding`` modules that take the model's input tensor itself,
-    found on the meta device (no value read); with none found that way (the ids are transformed first, or
-    the model cannot run on meta), the smallest of every embedding's; None without embeddings.
-
-    A positional embedding on ``arange(T)`` does not take the input, so its small vocabulary no longer
-    nulls every record holding an id beyond it.
-    """
-    import torch
-    from torch import nn
-
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    if not embeddings:
-        return None
-    key = (record_shape, dtype)
-    cache: dict[Any, int] = model.__dict__.setdefault("_fedfilter_input_vocabulary", {})
-    if key in cache:
-        return cache[key]
-    probe = torch.empty((1, *record_shape), dtype=dtype, device="meta")
-    direct: list[int] = []
-
-    def hook(m: nn.Module, args: tuple[Any, ...]) -> None:
-        if args and args[0] is probe:
-            direct.append(int(m.num_embeddings))  # type: ignore[arg-type]
-
-    handles = [m.register_forward_pre_hook(hook) for m in embeddings]
-    try:
-        from torch.func import functional_call
-
-        state = {n: torch.empty_like(t, device="meta") for n, t in [*model.named_parameters(), *model.named_buffers()]}
-        with torch.no_grad():
-            functional_call(model, state, (probe,))
-    except Exception:  # not measurable on meta: every embedding counts
-        direct.clear()
-    finally:
-        for h in handles:
-            h.remove()
-    vocab = min(direct) if direct else min(int(m.num_embeddings) for m in embeddings)
-    cache[key] = vocab
-    return vocab
 
 
 def _check_name(what: str, name: object) -> str:

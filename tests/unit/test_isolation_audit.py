@@ -212,7 +212,8 @@ def _controls_request(model: str, args: dict[str, Any], request_id: str = "r1") 
     return gradient_request_for(iw.CONTROLS, model, args, request_id)
 
 
-def test_an_id_outside_a_table_makes_its_record_null_never_an_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["two_tables", "keyword_tables"])
+def test_an_id_outside_a_table_makes_its_record_null_never_an_error(tmp_path: Path, model: str) -> None:
     """Review F3: with a category table of 5 (the coordinator's model_args) and a record whose first id is 7,
     the forward raised and the request was refused, uncharged: one free bit ("some category >= k?"), also
     when the record was stopped. The record is now the null element and the request is answered."""
@@ -220,7 +221,7 @@ def test_an_id_outside_a_table_makes_its_record_null_never_an_error(tmp_path: Pa
     x[:, 0] = np.arange(N) % 5
     x[3, 0] = 7
     a = build_agent(tmp_path, (x, y), workload="tests.isolation_workloads:CONTROLS")
-    outcome = a.handle(wire.GRADIENT, *wire.encode_request(_controls_request("two_tables", {"categories": 5})))
+    outcome = a.handle(wire.GRADIENT, *wire.encode_request(_controls_request(model, {"categories": 5})))
     assert not outcome.is_error, outcome.error_reason
     spent = a.ledger.state()["spent"]
     assert spent[3] == 0.0 and np.all(np.delete(spent, 3) > 0.0)
@@ -230,7 +231,7 @@ def test_an_id_outside_a_table_makes_its_record_null_never_an_error(tmp_path: Pa
     stopped = np.zeros(N, dtype=np.bool_)
     stopped[3] = True
     state = replace(state, stopped=stopped, spent=np.where(stopped, a.gaussian.threshold, state.spent))
-    req = _controls_request("two_tables", {"categories": 5}, "r2")
+    req = _controls_request(model, {"categories": 5}, "r2")
     reply, _, _ = a.release(req, a.contributions(req), state)
     assert isinstance(reply, wire.ContributionReply) and reply.status == wire.REPLY_OK
     a.close()
