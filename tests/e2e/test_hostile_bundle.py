@@ -22,7 +22,8 @@ In order:
    admitted requests, each charged (norm / noise_std)^2 per unit by the filter.
 
 Every process is started in its own session and stopped by PID, also when a test fails. Runs only
-as root with ``setpriv`` and a python3.11 that ``nobody`` can execute; skipped otherwise.
+as root with ``setpriv`` and a python3.11 that ``nobody`` can execute; skipped otherwise, except under
+``CI=true``, where a test that cannot run fails with its reason.
 """
 
 from __future__ import annotations
@@ -105,6 +106,13 @@ def node_python() -> str | None:
     return None
 
 
+def cannot_run(reason: str) -> None:
+    """Skip with ``reason``; under CI=true fail with it instead: CI must run these tests, never skip them."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"this test must run in CI and cannot: {reason}")
+    pytest.skip(reason)
+
+
 def skip_reason() -> str | None:
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "needs root: the agent services run as root, the SuperNodes as nobody (setpriv)"
@@ -139,7 +147,7 @@ def make_node_venv(dest: Path, python: str) -> Path:
         (dest / "bin" / tool).chmod(0o755)
     probe = as_node_user(str(dest / "bin" / "python3"), "-c", "import flwr.supernode, numpy, grpc")
     if probe.returncode != 0:
-        pytest.skip(
+        cannot_run(
             f"{NODE_USER} cannot import Flower from {list(paths)} (every folder on the way must be o+rx): "
             f"{probe.stderr.strip().splitlines()[-1:]}"
         )
@@ -379,7 +387,7 @@ def run_hostile(world: World, run_id: str) -> dict[str, Any] | DeploymentError:
 def world() -> Iterator[World]:
     reason = skip_reason()
     if reason:
-        pytest.skip(reason)
+        cannot_run(reason)
     root = Path(tempfile.mkdtemp(prefix="fedfilter-hostile-"))
     root.chmod(0o755)  # nobody reaches its own folders below; the owner's folder stays 0700
     dep = None
@@ -559,3 +567,14 @@ def test_honest_spend_is_intact(scenario: World) -> None:
     hostile = scenario.results["hostile"]
     if isinstance(hostile, dict):  # the hostile ClientApp forwards the coordinator's requests: its run may finish
         assert hostile["rounds_completed"] == 1
+
+
+def test_a_hostile_bundle_test_that_cannot_run_fails_under_ci_and_skips_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="must run in CI and cannot: needs setpriv"):
+        cannot_run("needs setpriv")
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="needs setpriv"):
+        cannot_run("needs setpriv")
