@@ -256,7 +256,12 @@ class Agent:
             n_units=self.n_units,
             params=params,
         )
-        self.ledger = Ledger.open(config.ledger_path, self.ledger_config, initial_state=initial.to_arrays())
+        self.ledger = Ledger.open(
+            config.ledger_path,
+            self.ledger_config,
+            initial_state=initial.to_arrays(),
+            high_water=config.high_water_path,
+        )
 
     @property
     def x(self) -> NDArray[Any]:

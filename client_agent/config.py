@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from client_agent.high_water import default_path as high_water_default
 from protocol.errors import FedfilterError
 from protocol.filters import FILTER_KINDS, GaussianFilter
 from protocol.messages import MESSAGE_TYPES, TRUST_MODES, UNITS
@@ -178,6 +179,12 @@ class AgentConfig:
     secagg_peers: Path | None = None
     # Where the per-record engine runs: "cpu" (default), "cuda" or "cuda:N" when torch sees that device.
     device: str = "cpu"
+    # The ledger's high-water mark (client_agent.high_water): a rolled-back ledger is refused. Deployed
+    # agents keep one by default (``<ledger>.high-water``, or ``ledger-high-water``); None: no mark.
+    high_water_path: Path | None = None
+    # `fedfilter agent serve` only: the OS users (names or uids) whose processes may connect to the
+    # socket (checked with SO_PEERCRED on every connection); empty: the service's own user only.
+    socket_peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.trust == "secagg" and (self.secagg_identity_key is None or self.secagg_peers is None):
@@ -277,7 +284,9 @@ class AgentConfig:
 
 _KEYS = {
     "ledger-path",
+    "ledger-high-water",
     "data-path",
+    "agent-socket-peers",
     "epsilon",
     "delta",
     "filter",
@@ -360,7 +369,14 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
             raise AgentConfigError(f"agent-config: {path} is not valid TOML: {exc}") from exc
         # A relative path in the file means relative to the file: the SuperNode runs the
         # ClientApp in a folder of its own, where the owner's relative paths would mean nothing.
-        for key in ("data-path", "ledger-path", "agent-socket", "secagg-identity-key", "secagg-peers"):
+        for key in (
+            "data-path",
+            "ledger-path",
+            "ledger-high-water",
+            "agent-socket",
+            "secagg-identity-key",
+            "secagg-peers",
+        ):
             if isinstance(loaded.get(key), str) and not Path(loaded[key]).is_absolute():
                 loaded[key] = str(path.resolve().parent / loaded[key])
         raw = {**loaded, **raw}
@@ -427,7 +443,29 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         secagg_identity_key=Path(_get(raw, "secagg-identity-key", str)) if "secagg-identity-key" in raw else None,
         secagg_peers=Path(_get(raw, "secagg-peers", str)) if "secagg-peers" in raw else None,
         device=_get(raw, "device", str, "cpu"),
+        high_water_path=_high_water(raw, simulation),
+        socket_peers=_socket_peers(raw),
     )
+
+
+def _high_water(raw: Mapping[str, Any], simulation: bool) -> Path | None:
+    """``ledger-high-water``: the mark's path; by default beside the ledger, except in simulations."""
+    if "ledger-high-water" in raw:
+        text = _get(raw, "ledger-high-water", str)
+        if not Path(text).is_absolute():
+            raise AgentConfigError(f"ledger-high-water: expected an absolute path, got {text!r}")
+        return Path(text)
+    return None if simulation else high_water_default(Path(_get(raw, "ledger-path", str)))
+
+
+def _socket_peers(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """``agent-socket-peers``: a list of OS user names or uids allowed to connect to the socket."""
+    value = raw.get("agent-socket-peers", [])
+    if not isinstance(value, list) or not all(isinstance(v, str | int) and not isinstance(v, bool) for v in value):
+        raise AgentConfigError(
+            f"agent-socket-peers: expected a list of OS user names or uids (the SuperNode's user), got {value!r}"
+        )
+    return tuple(str(v) for v in value)
 
 
 def _socket_mode(raw: Mapping[str, Any]) -> int:

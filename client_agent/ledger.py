@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -33,15 +34,16 @@ import re
 import secrets
 import sqlite3
 import types
-import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final, Self
+from typing import Any, Final, Self, TypeVar
 
 import numpy as np
 
+from client_agent.high_water import HighWater, HighWaterError, Mark
 from protocol.errors import FedfilterError
+from protocol.npz import load_stored
 
 SCHEMA_VERSION: Final = 1
 """Version of the ledger's table layout; any change to it is privacy-affecting (CHANGELOG)."""
@@ -55,6 +57,7 @@ _SQLITE_MAGIC: Final = b"SQLite format 3\x00"
 _SQLITE_HEADER_BYTES: Final = 100
 _ARRAY_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _HEX_SHA256: Final = re.compile(r"[0-9a-f]{64}\Z")
+_MAX_BLOB_ARRAYS: Final = 64  # a state or a release holds a handful of named arrays
 _ARRAY_KINDS: Final = "biufcUS"  # bool, int, uint, float, complex, str, bytes: never objects
 _CONFIG_FIELDS: Final = ("filter", "epsilon", "delta", "unit", "trust", "n_units", "params")
 _FIXED_BECAUSE: Final = {
@@ -75,6 +78,7 @@ _SCHEMA: Final = (
 )
 
 Arrays = dict[str, np.ndarray]
+_T = TypeVar("_T")
 
 
 class LedgerError(FedfilterError, RuntimeError):
@@ -85,7 +89,7 @@ def _corrupt(path: Path, detail: object) -> LedgerError:
     """The one error for a ledger file that cannot be trusted: it is never reset."""
     return LedgerError(
         f"ledger {path} is corrupt or not a fedfilter ledger: {detail}; refusing to answer; "
-        "it is never reset; restore it from a backup or investigate"
+        "it is never reset; do not answer from an older copy (docs/deploy.md, 'A corrupt or lost ledger')"
     )
 
 
@@ -209,12 +213,8 @@ def _encode(arrays: Arrays) -> bytes:
 
 
 def _decode(blob: bytes) -> Arrays:
-    """Arrays from an .npz blob; a damaged blob is a ValueError (zipfile's own errors are not)."""
-    try:
-        with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
-            return {name: npz[name] for name in npz.files}
-    except (zipfile.BadZipFile, KeyError, EOFError) as exc:
-        raise ValueError(f"expected an .npz blob, found a damaged one: {exc!r}") from exc
+    """Arrays from a stored .npz blob, at most the blob's own size decoded (protocol.npz); else ValueError."""
+    return load_stored(bytes(blob), what="blob", max_members=_MAX_BLOB_ARRAYS)
 
 
 def _layout(arrays: Arrays) -> dict[str, dict[str, object]]:
@@ -263,23 +263,35 @@ class Ledger:
     reset (an existing file is only ever read, checked and appended to).
     """
 
-    def __init__(self, path: Path, conn: sqlite3.Connection, config: LedgerConfig, layout: dict[str, Any]) -> None:
+    def __init__(self, path: Path, conn: sqlite3.Connection, contents: _Contents) -> None:
         self._path = path
         self._conn: sqlite3.Connection | None = conn
-        self._config = config
-        self._layout = layout
+        self._config = contents.config
+        self._layout = contents.layout
+        self._ledger_id = contents.ledger_id
+        self._schema_version = contents.schema_version
+        self.foreign_objects = contents.foreign
         self._state_sha = ""
+        self._high_water: HighWater | None = None
 
     # ----- opening
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], config: LedgerConfig, *, initial_state: Mapping[str, Any] | None = None
+        cls,
+        path: str | os.PathLike[str],
+        config: LedgerConfig,
+        *,
+        initial_state: Mapping[str, Any] | None = None,
+        high_water: str | os.PathLike[str] | None = None,
     ) -> Self:
         """Open the ledger at ``path``, creating it (with ``initial_state``) if it does not exist.
 
         Privacy note: an existing ledger must match ``config`` field by field and, when given, the
-        layout of ``initial_state``; it is never recreated or reset, even when it is corrupt.
+        layout of ``initial_state``; it is never recreated or reset, even when it is corrupt. With
+        ``high_water`` (a mark file, :mod:`client_agent.high_water`), a ledger older than its last
+        commit, another ledger at its path, or a missing ledger whose mark exists, is refused, and
+        every commit advances the mark.
         """
         ledger_path = Path(path)
         if not isinstance(config, LedgerConfig):
@@ -287,12 +299,17 @@ class Ledger:
         state = (
             None if initial_state is None else _checked_arrays(f"ledger {ledger_path}: initial_state", initial_state)
         )
+        mark = None if high_water is None else HighWater(Path(high_water), ledger_path)
         if not ledger_path.exists():
             if state is None:
                 raise LedgerError(f"ledger {ledger_path}: expected an initial_state to create a new ledger, found None")
+            if mark is not None:
+                _high_water_call(mark.refuse_creation)
             _create(ledger_path, config, state)
         ledger = cls._open_checked(ledger_path)
         try:
+            if mark is not None:
+                ledger._watch(mark)
             mismatch = _config_mismatch(ledger_path, ledger._config, config)
             if mismatch is not None:
                 raise mismatch
@@ -306,15 +323,40 @@ class Ledger:
         return ledger
 
     @classmethod
-    def open_existing(cls, path: str | os.PathLike[str]) -> Self:
-        """Open an existing ledger without a configuration to compare (for ``ledger show`` / ``verify``)."""
+    def open_existing(cls, path: str | os.PathLike[str], *, allow_foreign: bool = False) -> Self:
+        """Open an existing ledger without a configuration to compare (for ``ledger show`` / ``verify``).
+
+        ``allow_foreign`` (``ledger verify`` only, which writes nothing) opens a ledger whose schema
+        holds objects fedfilter did not create, listed in :attr:`foreign_objects`; an agent never does.
+        """
         ledger_path = Path(path)
         if not ledger_path.exists():
             raise LedgerError(f"ledger {ledger_path}: expected an existing ledger file, found nothing at that path")
-        return cls._open_checked(ledger_path)
+        return cls._open_checked(ledger_path, allow_foreign=allow_foreign)
+
+    def _watch(self, high_water: HighWater) -> None:
+        """Check the ledger against its high-water mark, bring the mark up to it, and advance it at every commit."""
+        found = self.mark()
+        problem = _high_water_call(lambda: high_water.check(found))
+        if problem is not None:
+            raise LedgerError(
+                f"ledger {self._path}: {problem}; refusing to answer: a rolled-back ledger spends budget twice "
+                "(docs/deploy.md, 'A corrupt or lost ledger')"
+            )
+        if _high_water_call(high_water.read) != found:
+            _high_water_call(lambda: high_water.advance(found))
+        self._high_water = high_water
+
+    def mark(self) -> Mark:
+        """The ledger's position: its id, how many requests it has answered and its state's sha256."""
+        (seq,) = self._query_one("SELECT COALESCE(MAX(seq), 0) FROM requests")
+        row = self._query_one("SELECT sha256 FROM state WHERE id = 1")
+        if row is None:
+            raise _corrupt(self._path, "expected one state row, found none")
+        return Mark(self._ledger_id, int(seq), str(row[0]))
 
     @classmethod
-    def _open_checked(cls, path: Path) -> Self:
+    def _open_checked(cls, path: Path, *, allow_foreign: bool = False) -> Self:
         """Connect read-mostly and check header, integrity, schema version, config and state checksum."""
         _check_header(path)
         try:
@@ -324,9 +366,16 @@ class Ledger:
         except sqlite3.Error as exc:
             raise _corrupt(path, exc) from exc
         try:
-            config, layout = _check_contents(path, conn)
+            contents = _check_contents(path, conn)
+            if contents.foreign and not allow_foreign:
+                raise _corrupt(
+                    path,
+                    "expected only the tables and indexes fedfilter creates, found "
+                    + ", ".join(contents.foreign)
+                    + " (a trigger or view can rewrite or hide what the agent commits)",
+                )
             _set_durable_pragmas(path, conn)
-            ledger = cls(path, conn, config, layout)
+            ledger = cls(path, conn, contents)
             ledger.state()  # verifies the checksum and layout, and records the state this handle has seen
         except BaseException:
             conn.close()
@@ -457,6 +506,12 @@ class Ledger:
         try:
             if conn.execute("SELECT 1 FROM requests WHERE request_id = ?", (request_id,)).fetchone() is not None:
                 raise LedgerError(f"{where}: expected a new request id, found it already answered; nothing was stored")
+            (schema_version,) = conn.execute("PRAGMA schema_version").fetchone()
+            if schema_version != self._schema_version:
+                raise LedgerError(
+                    f"{where}: expected the schema this handle checked at open (version {self._schema_version}), "
+                    f"found version {schema_version}: another process changed it; nothing was stored"
+                )
             (stored_sha,) = conn.execute("SELECT sha256 FROM state WHERE id = 1").fetchone()
             if stored_sha != self._state_sha:
                 raise LedgerError(
@@ -464,10 +519,11 @@ class Ledger:
                     f"{self._state_sha}), found sha256 {stored_sha}: another process committed; read state() "
                     "again and recompute; nothing was stored"
                 )
+            (seq,) = conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM requests").fetchone()
             conn.execute(
                 "INSERT INTO requests (request_id, seq, message_type, run_id, digest, created_at, release, reply) "
-                "VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM requests), ?, ?, ?, ?, ?, ?)",
-                (request_id, message_type, run_id, digest, created_at, release_blob, bytes(reply)),
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (request_id, seq, message_type, run_id, digest, created_at, release_blob, bytes(reply)),
             )
             conn.execute("UPDATE state SET sha256 = ?, blob = ? WHERE id = 1", (state_sha, state_blob))
             conn.execute("COMMIT")
@@ -478,6 +534,9 @@ class Ledger:
                 raise LedgerError(f"{where}: expected to commit, found: {exc}; rolled back, nothing stored") from exc
             raise
         self._state_sha = state_sha
+        if self._high_water is not None:  # committed: the charge stands whatever happens to the mark
+            high_water = self._high_water
+            _high_water_call(lambda: high_water.advance(Mark(self._ledger_id, int(seq), state_sha)))
 
     # ----- lifecycle
 
@@ -544,16 +603,47 @@ def _set_durable_pragmas(path: Path, conn: sqlite3.Connection) -> None:
         raise LedgerError(f"ledger {path}: expected synchronous FULL (2), found {synchronous!r}")
 
 
-def _check_contents(path: Path, conn: sqlite3.Connection) -> tuple[LedgerConfig, dict[str, Any]]:
-    """Integrity, application id, schema version and stored configuration; reads only."""
+@dataclasses.dataclass(frozen=True)
+class _Contents:
+    config: LedgerConfig
+    layout: dict[str, Any]
+    ledger_id: str
+    schema_version: int
+    foreign: tuple[str, ...]
+
+
+@functools.cache
+def _expected_schema() -> frozenset[tuple[str, str, str, str | None]]:
+    """Every object a fedfilter ledger's schema holds: the tables, their indexes and SQLite's autoindexes."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        for statement in _SCHEMA:
+            conn.execute(statement)
+        return frozenset(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
+    finally:
+        conn.close()
+
+
+def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
+    """Integrity, application id, schema objects and version, and stored configuration; reads only."""
     try:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        # Before anything else reads the schema: a trigger or view must never run on an agent's behalf.
+        conn.execute("PRAGMA trusted_schema = OFF")
         problems = [row[0] for row in conn.execute("PRAGMA integrity_check")]
         if problems != ["ok"]:
             raise _corrupt(path, "integrity_check: " + "; ".join(problems[:5]).replace("\n", " "))
         (app_id,) = conn.execute("PRAGMA application_id").fetchone()
         if app_id != APPLICATION_ID:
             raise _corrupt(path, f"expected SQLite application_id {APPLICATION_ID:#x}, found {app_id:#x}")
+        (schema_version,) = conn.execute("PRAGMA schema_version").fetchone()
+        objects = set(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
+        foreign = tuple(sorted(f"{kind} {name!r}" for kind, name, _, _ in objects - _expected_schema()))
+        missing = sorted(f"{kind} {name!r}" for kind, name, _, _ in _expected_schema() - objects)
+        if missing:
+            raise _corrupt(
+                path, "expected fedfilter's tables and indexes, found missing or altered " + ", ".join(missing)
+            )
         meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
     except sqlite3.Error as exc:
         raise _corrupt(path, exc) from exc
@@ -571,7 +661,17 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> tuple[LedgerConfig,
     )
     if not well_formed:
         raise _corrupt(path, f"expected a state layout of {{name: {{shape, dtype}}}}, found {str(layout)[:200]}")
-    return config, layout
+    # Fixed at creation: the ledger's own id for its high-water mark (a restored copy keeps it).
+    ledger_id = _sha256(f"{meta.get('created_at', '')}|{meta['config']}".encode())[:32]
+    return _Contents(config, layout, ledger_id, int(schema_version), foreign)
+
+
+def _high_water_call(call: Callable[[], _T]) -> _T:
+    """Run a high-water mark operation, its errors as :class:`LedgerError` (the agent's ledger refusal)."""
+    try:
+        return call()
+    except HighWaterError as exc:
+        raise LedgerError(str(exc)) from exc
 
 
 def _create(path: Path, config: LedgerConfig, state: Arrays) -> None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import io
 import json
-import zipfile
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from protocol.errors import FedfilterError
+from protocol.npz import ArchiveError, load_stored
 
 SERVICE = "fedfilter.Agent"
 METHOD = f"/{SERVICE}/Handle"
@@ -49,57 +49,27 @@ def _pack(header: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> bytes:
     return buf.getvalue()
 
 
-def _member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> NDArray[Any]:
-    """One stored ``.npy`` member, its declared shape checked against its bytes before anything is allocated."""
-    raw = archive.read(info)  # stored, and within the frame: at most the frame's own size
-    buf = io.BytesIO(raw)
-    version = np.lib.format.read_magic(buf)
-    if version == (1, 0):
-        shape, _, dtype = np.lib.format.read_array_header_1_0(buf)
-    elif version == (2, 0):
-        shape, _, dtype = np.lib.format.read_array_header_2_0(buf)
-    else:
-        raise FrameError(f"frame: member {info.filename!r} has .npy version {version}; expected 1.0 or 2.0")
-    if dtype.hasobject:
-        raise FrameError(f"frame: member {info.filename!r} holds Python objects; expected numbers or text")
-    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(raw) - buf.tell():
-        raise FrameError(
-            f"frame: member {info.filename!r} declares shape {shape} of {dtype}, which its bytes do not hold"
-        )
-    buf.seek(0)
-    return np.lib.format.read_array(buf, allow_pickle=False)
-
-
 def _unpack(frame: bytes) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
     """Decode a frame from the other side of the socket, which the data owner does not control.
 
-    Checked before anything is inflated or allocated: at most ``MAX_MEMBERS`` stored (never
-    compressed) ``.npy`` members, each one's declared shape matching its bytes; a header of
-    plain JSON. A hostile frame (a decompression bomb, a huge declared shape, thousands of
-    members, a deeply nested header) is a FrameError, never a crash or a stall.
+    :func:`protocol.npz.load_stored` checks it before anything is inflated or allocated: at most
+    ``MAX_MEMBERS`` stored (never compressed) ``.npy`` members, each one's declared shape matching
+    its bytes, each array a view of the frame's bytes (decoding costs at most the frame's own size);
+    then a header of plain JSON. A hostile frame (a decompression bomb, a huge declared shape,
+    thousands of members, a deeply nested header) is a FrameError, never a crash or a stall.
     """
     try:
-        with zipfile.ZipFile(io.BytesIO(frame)) as archive:
-            infos = archive.infolist()
-            if len(infos) > MAX_MEMBERS:
-                raise FrameError(f"frame: expected at most {MAX_MEMBERS} members, found {len(infos)}")
-            for info in infos:
-                if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
-                    raise FrameError(f"frame: expected stored .npy members, found {info.filename!r}")
-                if info.file_size > len(frame):
-                    raise FrameError(f"frame: member {info.filename!r} declares more bytes than the frame holds")
-            members = {info.filename[: -len(".npy")]: _member(archive, info) for info in infos}
+        members = load_stored(frame, what="frame", max_members=MAX_MEMBERS)
         header = json.loads(bytes(members.pop(HEADER)).decode())
-    except FrameError:
-        raise
+    except ArchiveError as exc:
+        raise FrameError(str(exc)) from exc
     except KeyError as exc:
         raise FrameError(f"frame: expected a {HEADER!r} member, found none") from exc
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
-        raise FrameError(f"frame: expected an .npz archive with a JSON header, found: {type(exc).__name__}") from exc
-    arrays = members
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise FrameError(f"frame: expected a JSON header, found: {type(exc).__name__}") from exc
     if not isinstance(header, dict):
         raise FrameError(f"frame: expected a JSON object as header, found {type(header).__name__}")
-    return header, arrays
+    return header, members
 
 
 def pack_request(message_type: str, config: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> bytes:

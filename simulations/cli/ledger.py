@@ -20,6 +20,12 @@ def add_parser(sub: Subparsers) -> None:
     show.set_defaults(handler=run_show)
     verify = lsub.add_parser("verify", help="replay every release and check the stored state")
     verify.add_argument("path", type=Path)
+    verify.add_argument(
+        "--high-water",
+        type=Path,
+        default=None,
+        help="the ledger's high-water mark (default: PATH.high-water when it exists); a rollback is reported",
+    )
     verify.set_defaults(handler=run_verify)
 
 
@@ -38,7 +44,7 @@ def run_show(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from client_agent.ledger_report import verify_ledger
 
-    problems = verify_ledger(args.path)
+    problems = verify_ledger(args.path, high_water=args.high_water)
     if problems:
         for problem in problems:
             print(f"{args.path}: {problem}", file=sys.stderr)

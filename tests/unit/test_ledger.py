@@ -360,12 +360,13 @@ class TestCommit:
             assert ledger.requests_answered() == 2
 
     def test_failure_inside_sqlite_rolls_back_the_whole_transaction(self, ledger_path: Path) -> None:
-        # The request row is inserted first; the state update then fails inside SQLite.
-        raw_sql(
-            ledger_path,
-            ("CREATE TRIGGER fail_state BEFORE UPDATE ON state BEGIN SELECT RAISE(ABORT, 'disk says no'); END", ()),
-        )
+        # The request row is inserted first; the state update then fails inside SQLite. A TEMP
+        # trigger on the handle's own connection (a trigger in the file is refused at open).
         with Ledger.open(ledger_path, make_config()) as ledger:
+            assert ledger._conn is not None
+            ledger._conn.execute(
+                "CREATE TEMP TRIGGER fail_state BEFORE UPDATE ON main.state BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
+            )
             before = ledger.state()
             with pytest.raises(
                 LedgerError,

@@ -1,0 +1,135 @@
+"""The ledger's high-water mark: the last state it committed, kept outside the ledger file (privacy.md §9).
+
+A ledger is append-only, but its file is not: a backup restored over it, a snapshot rolled back,
+or a copy taken earlier, is a consistent older ledger that ``PRAGMA integrity_check`` and every
+checksum accept. Answering from it forgets every charge since (the budget is spent twice) and,
+under ``secagg``, forgets the sessions already signed (a second survivor set signed in one
+session unmasks a peer's input). So the agent keeps, in a small file of its own, a monotonic mark
+of the ledger's last commit: which ledger (an id fixed at creation), how many requests it had
+answered and the sha256 of its state. The mark is checked when the ledger opens and advanced
+after every commit; a ledger behind its mark, or a different ledger at the mark's path, is
+refused. A ledger *ahead* of its mark is the one crash window (committed, mark not yet written)
+and is accepted and the mark moved up: the mark only ever moves forward.
+
+The mark is written atomically (a temporary file, fsync, rename, fsync of the folder), owner-only.
+It lives beside the ledger by default (``<ledger>.high-water``); ``ledger-high-water`` in the
+agent TOML puts it elsewhere (beside the identity key, on another disk). Restoring the ledger file
+alone from a backup is then refused; restoring the mark with it is the owner deliberately
+rolling back, which docs/deploy.md tells them not to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from protocol.errors import FedfilterError
+
+
+class HighWaterError(FedfilterError, RuntimeError):
+    """The ledger is older than, or different from, the last state this agent committed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """What the mark holds: the ledger's id, its answered requests and its state's sha256."""
+
+    ledger_id: str
+    seq: int
+    state_sha256: str
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def default_path(ledger_path: Path) -> Path:
+    return ledger_path.with_name(ledger_path.name + ".high-water")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class HighWater:
+    """The mark file at ``path`` for the ledger at ``ledger_path``."""
+
+    def __init__(self, path: Path, ledger_path: Path) -> None:
+        self.path = path
+        self.ledger_path = ledger_path
+
+    def read(self) -> Mark | None:
+        """The stored mark, or None when there is none yet; an unreadable mark is an error, never ignored."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise HighWaterError(f"high-water mark {self.path}: expected a readable file, found: {exc}") from exc
+        try:
+            data: Any = json.loads(text)
+            mark = Mark(str(data["ledger_id"]), int(data["seq"]), str(data["state_sha256"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HighWaterError(
+                f"high-water mark {self.path}: expected JSON with ledger_id, seq and state_sha256, found "
+                f"{text[:120]!r}; refusing to answer (a damaged mark cannot tell a rolled-back ledger)"
+            ) from exc
+        if mark.seq < 0:
+            raise HighWaterError(f"high-water mark {self.path}: expected seq >= 0, found {mark.seq}")
+        return mark
+
+    def refuse_creation(self) -> None:
+        """A new ledger at a path whose mark says one lived there is a budget reset: refuse it."""
+        mark = self.read()
+        if mark is not None:
+            raise HighWaterError(
+                f"ledger {self.ledger_path}: expected the ledger that answered {mark.seq} requests "
+                f"(high-water mark {self.path}), found no ledger file; a new ledger would reset every "
+                "unit's budget. Put the ledger back, or, to start a new data set deliberately, remove the mark"
+            )
+
+    def check(self, found: Mark) -> str | None:
+        """Why ``found`` (the ledger as opened) is behind or beside the mark, or None when it is not."""
+        mark = self.read()
+        if mark is None:
+            return None
+        if found.ledger_id != mark.ledger_id:
+            return (
+                f"expected the ledger this agent committed to (id {mark.ledger_id}), found another ledger "
+                f"(id {found.ledger_id}) at {self.ledger_path}"
+            )
+        if found.seq < mark.seq or (found.seq == mark.seq and found.state_sha256 != mark.state_sha256):
+            return (
+                f"expected a ledger at or after its last commit ({mark.seq} requests answered, state sha256 "
+                f"{mark.state_sha256[:16]}...), found one rolled back to {found.seq} requests (state sha256 "
+                f"{found.state_sha256[:16]}...): restored from a backup, a snapshot or a copy"
+            )
+        return None
+
+    def advance(self, mark: Mark) -> None:
+        """Write ``mark`` atomically and durably; the caller has committed the state it describes."""
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            try:
+                os.write(fd, mark.to_json().encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+            _fsync_dir(self.path.parent)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise HighWaterError(
+                f"high-water mark {self.path}: expected to record the commit, found: {exc}; the charge stands "
+                "in the ledger, and the agent refuses to answer until the mark can be written"
+            ) from exc
