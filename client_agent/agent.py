@@ -360,6 +360,14 @@ class Agent:
                 f"secagg min_clients {request.min_clients} asked; the policy requires at least "
                 f"{policy.min_secagg_clients} clients in every sum"
             )
+        if isinstance(request, wire.SecaggSharesRequest):
+            n, m = len(request.encryption_keys), request.min_clients
+            faults = policy.secagg_faults(n)
+            if 2 * m <= n + faults:
+                raise PolicyError(
+                    f"secagg min_clients {m} of {n} asked; the policy requires 2m > n + f with f = {faults} "
+                    "(members that may sign two survivor sets: a restored or cloned agent)"
+                )
         masked_input = getattr(request, "secagg", None)
         if masked_input is not None and masked_input.scale_bits < policy.min_secagg_scale_bits:
             raise PolicyError(

@@ -15,9 +15,9 @@ the charge stands and a retry with the same request id gets the stored reply (pr
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
-import grpc
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
@@ -47,9 +47,17 @@ def forward(
 def send_frame(
     socket_path: str, frame: bytes, *, timeout: float = TIMEOUT_S
 ) -> tuple[int, str, dict[str, Any], dict[str, Any]]:
-    """Send one packed request frame over ``socket_path`` and unpack the agent's reply."""
-    with grpc.insecure_channel(f"unix:{socket_path}", options=local_wire.CHANNEL_OPTIONS) as channel:
-        reply = channel.unary_unary(local_wire.METHOD)(frame, timeout=timeout)
+    """Send one packed request frame over ``socket_path`` and unpack the agent's reply.
+
+    OSError (TimeoutError included) when the agent cannot be reached or does not answer in time;
+    FrameError when the reply does not decode. The agent checks who connects (SO_PEERCRED): a caller
+    it does not accept sees the connection closed (a FrameError: no reply).
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(socket_path)
+        local_wire.send(sock, frame)
+        reply = local_wire.receive(sock, local_wire.MAX_FRAME_BYTES)
     return local_wire.unpack_reply(reply)
 
 
@@ -75,7 +83,7 @@ def proxy_message(msg: Message, context: Context) -> Message:
         return Message(Error(code=wire.ERR_MALFORMED, reason=wire.ERROR_TEXT[wire.ERR_MALFORMED]), reply_to=msg)
     try:
         code, reason, reply_config, reply_arrays = send_frame(socket_path, frame)  # packed once, above
-    except (grpc.RpcError, local_wire.FrameError, OSError) as exc:
+    except (local_wire.FrameError, OSError) as exc:
         return unavailable(msg, exc)
     if code != 0:
         return Message(Error(code=code, reason=reason), reply_to=msg)

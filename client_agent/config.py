@@ -59,6 +59,11 @@ class Policy:
     max_requests_per_day: int = 1_000_000
     # secagg trust: the fewest clients whose inputs a session may sum (m); each adds sigma^2 / m of the noise.
     min_secagg_clients: int = 2
+    # secagg trust: how many roster members may sign two survivor sets in one session (a peer whose
+    # ledger was restored, or a cloned agent, forgets what it signed). A roster is accepted only when
+    # 2m > n + f, so two survivor sets of m signers always share an honest one. None: the default
+    # f = 2 * ceil(2n / 3) - n - 1, which is exactly m >= ceil(2n / 3) (a third may drop out).
+    secagg_tolerance: int | None = None
     # secagg trust: the fewest fixed-point fraction bits; each masked input pays a rounding slack
     # sqrt(d) / 2^scale_bits on its norm, so a coordinator asking for few bits would burn budget.
     min_secagg_scale_bits: int = 16
@@ -92,10 +97,18 @@ class Policy:
             ("policy-max-activation-mb", self.max_activation_mb),
         ):
             integer(name, count, at_least=1, error=AgentConfigError)
+        if self.secagg_tolerance is not None:
+            integer("policy-secagg-tolerance", self.secagg_tolerance, at_least=0, error=AgentConfigError)
         if self.max_local_steps < 0:
             raise AgentConfigError(
                 f"policy-max-local-steps: expected an integer >= 0 (0: no local training), got {self.max_local_steps!r}"
             )
+
+    def secagg_faults(self, n: int) -> int:
+        """f for a roster of ``n``: the members that may sign twice (restored or cloned), 2m > n + f."""
+        if self.secagg_tolerance is not None:
+            return self.secagg_tolerance
+        return max(0, 2 * math.ceil(2 * n / 3) - n - 1)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -108,6 +121,7 @@ class Policy:
             "max_rounds_per_run": self.max_rounds_per_run,
             "max_requests_per_day": self.max_requests_per_day,
             "min_secagg_clients": self.min_secagg_clients,
+            "secagg_tolerance": "2*ceil(2n/3)-n-1" if self.secagg_tolerance is None else self.secagg_tolerance,
             "min_secagg_scale_bits": self.min_secagg_scale_bits,
             "max_local_steps": self.max_local_steps,
             "max_activation_mb": self.max_activation_mb,
@@ -207,8 +221,11 @@ class AgentConfig:
                 f"ledger-path: expected an absolute path (or a path relative to the agent TOML file), "
                 f"got {str(self.ledger_path)!r}"
             )
-        if not 0 <= self.socket_mode <= 0o777:
-            raise AgentConfigError(f"agent-socket-mode: expected permission bits 0000-0777, got {self.socket_mode:o}")
+        if not 0 <= self.socket_mode <= 0o777 or self.socket_mode & ~0o660:
+            raise AgentConfigError(
+                f"agent-socket-mode: expected 0660 or stricter (read and write for the owner and the group, "
+                f"nothing for others), got {self.socket_mode:04o}"
+            )
         if self.socket_path is not None and not self.socket_path.is_absolute():
             raise AgentConfigError(
                 f"agent-socket: expected an absolute path (or a path relative to the agent TOML file), "
@@ -307,6 +324,7 @@ _KEYS = {
     "policy-max-rounds-per-run",
     "policy-max-requests-per-day",
     "policy-secagg-min-clients",
+    "policy-secagg-tolerance",
     "policy-secagg-min-scale-bits",
     "policy-max-local-steps",
     "policy-max-activation-mb",
@@ -394,6 +412,7 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         max_rounds_per_run=_get(raw, "policy-max-rounds-per-run", int, default.max_rounds_per_run),
         max_requests_per_day=_get(raw, "policy-max-requests-per-day", int, default.max_requests_per_day),
         min_secagg_clients=_get(raw, "policy-secagg-min-clients", int, default.min_secagg_clients),
+        secagg_tolerance=raw.get("policy-secagg-tolerance"),
         min_secagg_scale_bits=_get(raw, "policy-secagg-min-scale-bits", int, default.min_secagg_scale_bits),
         max_local_steps=_get(raw, "policy-max-local-steps", int, default.max_local_steps),
         max_activation_mb=_get(raw, "policy-max-activation-mb", int, default.max_activation_mb),

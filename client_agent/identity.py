@@ -18,6 +18,7 @@ Files (both plain text, written by ``fedfilter agent keygen``):
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,8 +36,19 @@ def _hex_key(text: str, *, where: str) -> bytes:
     return bytes.fromhex(text)
 
 
-def write_identity(path: Path) -> bytes:
-    """Create a fresh identity key file at ``path`` (mode 0600, never overwritten); return its public key."""
+def write_identity(path: Path, owner: str | None = None) -> bytes:
+    """Create a fresh identity key file at ``path`` (mode 0600, never overwritten); return its public key.
+
+    ``owner`` (an OS user name or uid): the agent's user, who must be able to read it (the file is
+    given to that user). ``fedfilter agent keygen`` run as root requires it.
+    """
+    uid = gid = None
+    if owner is not None:
+        try:
+            entry = pwd.getpwuid(int(owner)) if owner.isdigit() else pwd.getpwnam(owner)
+        except KeyError:
+            raise AgentConfigError(f"--owner: expected an existing OS user or uid, found {owner!r}") from None
+        uid, gid = entry.pw_uid, entry.pw_gid
     secret = sa.new_identity()
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -44,6 +56,12 @@ def write_identity(path: Path) -> bytes:
         raise AgentConfigError(
             f"secagg-identity-key: a file already exists at {path}; refusing to replace a key"
         ) from None
+    except PermissionError:
+        raise AgentConfigError(
+            f"secagg-identity-key: cannot create {path}: its folder is not writable by this user"
+        ) from None
+    if uid is not None and gid is not None:
+        os.fchown(fd, uid, gid)
     with os.fdopen(fd, "w") as f:
         f.write(secret.hex() + "\n")
     return sa.identity_public_key(secret)
@@ -63,6 +81,11 @@ def load_identity(path: Path) -> bytes:
         text = path.read_text()
     except FileNotFoundError:
         raise AgentConfigError(f"secagg-identity-key: no file at {path}") from None
+    except PermissionError:
+        raise AgentConfigError(
+            f"secagg-identity-key: {path} exists but this user (uid {os.geteuid()}) cannot read it; it must belong "
+            "to the agent's user, mode 0600 (chown AGENT_USER, or write it with `fedfilter agent keygen --owner`)"
+        ) from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise AgentConfigError(
             f"secagg-identity-key: {path} is accessible to group or others (mode {stat.S_IMODE(mode):04o}); "

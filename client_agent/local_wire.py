@@ -1,6 +1,8 @@
 """The local socket's framing between the ClientApp proxy and the agent service (privacy.md §10).
 
-One gRPC method, bytes in and bytes out, over a Unix domain socket. Each frame is an ``.npz``
+One request and one reply per connection over a Unix domain socket, each sent as a length-prefixed
+frame (``MAGIC``, an 8-byte big-endian length, the bytes): the receiver knows a frame's size before
+it reads a byte of it, so it refuses one above its bound at no cost. Each frame is an ``.npz``
 archive (numpy, ``allow_pickle=False``: nothing in a frame can name or carry code) holding a
 JSON header under ``__header__`` and the message's named arrays:
 
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import io
 import json
+import socket
+import struct
 from typing import Any
 
 import numpy as np
@@ -23,20 +27,56 @@ from numpy.typing import NDArray
 from protocol.errors import FedfilterError
 from protocol.npz import ArchiveError, load_stored
 
-SERVICE = "fedfilter.Agent"
-METHOD = f"/{SERVICE}/Handle"
 HEADER = "__header__"
-# The largest frame either side accepts: the wire's largest array (2^28 float32 values) plus headroom.
+MAGIC = b"FFA1"
+_PREFIX = struct.Struct(">4sQ")
+# The largest reply the proxy accepts: the wire's largest array (2^28 float32 values) plus headroom.
+# The agent's bound on *requests* is its own, from its policy (client_agent.service.max_request_bytes).
 MAX_FRAME_BYTES = (1 << 30) + (1 << 20)
 MAX_MEMBERS = 32  # the header and the arrays of the largest message (a secagg step has a handful)
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_FRAME_BYTES),
-    ("grpc.max_receive_message_length", MAX_FRAME_BYTES),
-]
 
 
 class FrameError(FedfilterError, ValueError):
     """A frame that does not decode (wrong archive, header or array)."""
+
+
+class FrameTooLarge(FrameError):
+    """A frame whose announced length is above the receiver's bound: refused before it is read."""
+
+
+def send(sock: socket.socket, frame: bytes) -> None:
+    """Send one length-prefixed frame."""
+    sock.sendall(_PREFIX.pack(MAGIC, len(frame)))
+    sock.sendall(frame)
+
+
+def _read_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise FrameError(f"frame: expected {len(view)} bytes, found the connection closed after {got}")
+        got += n
+
+
+def announced(sock: socket.socket) -> int:
+    """The length the next frame announces (its prefix read, nothing more); FrameError on a bad prefix."""
+    prefix = bytearray(_PREFIX.size)
+    _read_exactly(sock, memoryview(prefix))
+    magic, length = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise FrameError(f"frame: expected the prefix {MAGIC!r}, found {bytes(magic)!r}")
+    return int(length)
+
+
+def receive(sock: socket.socket, max_bytes: int) -> bytearray:
+    """One frame, read into one buffer of its announced size; above ``max_bytes`` it is never read."""
+    length = announced(sock)
+    if length > max_bytes:
+        raise FrameTooLarge(f"frame: expected at most {max_bytes} bytes, found {length} announced")
+    buf = bytearray(length)
+    _read_exactly(sock, memoryview(buf))
+    return buf
 
 
 def _pack(header: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> bytes:
@@ -49,7 +89,7 @@ def _pack(header: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> bytes:
     return buf.getvalue()
 
 
-def _unpack(frame: bytes) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+def _unpack(frame: bytes | bytearray) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
     """Decode a frame from the other side of the socket, which the data owner does not control.
 
     :func:`protocol.npz.load_stored` checks it before anything is inflated or allocated: at most
@@ -76,7 +116,7 @@ def pack_request(message_type: str, config: dict[str, Any], arrays: dict[str, ND
     return _pack({"message_type": message_type, "config": config}, arrays)
 
 
-def unpack_request(frame: bytes) -> tuple[str, dict[str, Any], dict[str, NDArray[Any]]]:
+def unpack_request(frame: bytes | bytearray) -> tuple[str, dict[str, Any], dict[str, NDArray[Any]]]:
     header, arrays = _unpack(frame)
     message_type, config = header.get("message_type"), header.get("config")
     if not isinstance(message_type, str) or not isinstance(config, dict):
@@ -90,7 +130,7 @@ def pack_reply(
     return _pack({"error_code": error_code, "error_reason": error_reason, "config": config or {}}, arrays or {})
 
 
-def unpack_reply(frame: bytes) -> tuple[int, str, dict[str, Any], dict[str, NDArray[Any]]]:
+def unpack_reply(frame: bytes | bytearray) -> tuple[int, str, dict[str, Any], dict[str, NDArray[Any]]]:
     header, arrays = _unpack(frame)
     code, reason, config = header.get("error_code"), header.get("error_reason"), header.get("config")
     if (

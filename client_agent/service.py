@@ -22,6 +22,16 @@ The service:
 - on SIGTERM or SIGINT stops taking requests, finishes the one in progress, closes the ledger
   (WAL checkpoint), removes the socket and exits 0.
 
+Who may connect (privacy.md §10): the socket is created 0660 or stricter in a folder that only its
+owner can write, and every connection's peer is checked with ``SO_PEERCRED`` against the agent's
+configured peers (``agent-socket-peers``: its own SuperNode's user; by default its own user only).
+Any other caller is closed before a byte is read, so one agent's SuperNode (or a bundle running
+under it) cannot reach another agent's socket on the same host, whatever the socket's mode.
+
+Memory: a request frame announces its length first; one above :func:`max_request_bytes` (what
+the policy's largest model needs) is refused unread, decoding makes no copy of an array
+(:mod:`protocol.npz`), and at most ``MAX_CONNECTIONS`` requests are held at once.
+
 Frames on the socket: :mod:`client_agent.local_wire` (npz without pickle, JSON headers).
 """
 
@@ -31,17 +41,18 @@ import contextlib
 import fcntl
 import logging
 import os
+import pwd
+import selectors
 import signal
 import socket
 import stat
+import struct
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 from typing import Any
-
-import grpc
 
 from client_agent import local_wire
 from client_agent.agent import Agent, Outcome, refusal
@@ -51,6 +62,14 @@ from protocol.errors import FedfilterError
 
 LOG = logging.getLogger("fedfilter.agent.service")
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes on Linux, the terminating NUL included
+# Connections being read or answered at once; one more is told "busy" and closed, never buffered.
+# With max_request_bytes each, this bounds what requests can hold in memory (benchmarks/agent_memory.py).
+MAX_CONNECTIONS = 4
+# A caller has this long to send the frame it announced (a slow sender cannot hold a slot for ever).
+READ_TIMEOUT_S = 120.0
+# Beyond the parameters: headers and secagg tables (n x 32-byte keys, 64-byte signatures) for large rosters.
+REQUEST_HEADROOM_BYTES = 16 << 20
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class ServiceError(FedfilterError, OSError):
@@ -121,10 +140,12 @@ class AgentService:
         self.agent: Agent | None = self.worker.submit(Agent, config).result()  # opened on the worker thread
         self.answered = 0
 
-    def handle(self, frame: bytes, context: Any = None) -> bytes:
-        """One request frame in, one reply frame out (runs on the worker thread)."""
+    def handle(self, frame: bytes | bytearray | None, unread: Exception | None = None) -> bytes:
+        """One request frame in, one reply frame out (runs on the worker thread); ``unread``: why there is none."""
         message_type = "?"
         try:
+            if frame is None:
+                raise local_wire.FrameError(f"frame: not read: {unread}")
             message_type, req_config, arrays = local_wire.unpack_request(frame)
         except local_wire.FrameError as exc:
             outcome = refusal(wire.ERR_MALFORMED, "?", {}, exc)
@@ -161,34 +182,142 @@ class AgentService:
         self.worker.shutdown()
 
 
+def max_request_bytes(config: AgentConfig) -> int:
+    """The largest request frame the policy allows: the largest model's float32 parameters plus headroom."""
+    return 4 * config.policy.max_model_params + REQUEST_HEADROOM_BYTES
+
+
+def peer_uids(config: AgentConfig) -> frozenset[int]:
+    """The uids ``agent-socket-peers`` names (user names resolved now); none named: this process's own."""
+    uids: set[int] = set()
+    for peer in config.socket_peers:
+        if peer.isdigit():
+            uids.add(int(peer))
+            continue
+        try:
+            uids.add(pwd.getpwnam(peer).pw_uid)
+        except KeyError:
+            raise ServiceError(
+                f"agent-socket-peers: expected existing OS users or uids, found no user {peer!r}"
+            ) from None
+    return frozenset(uids or {os.geteuid()})
+
+
+def check_socket_folder(path: Path) -> None:
+    """The socket's folder must be writable by its owner only (else anyone could replace the socket)."""
+    folder = path.parent
+    try:
+        st = os.stat(folder)
+    except OSError as exc:
+        raise ServiceError(f"agent-socket: expected an existing folder for {path}, found: {exc}") from exc
+    if st.st_mode & 0o022:
+        raise ServiceError(
+            f"agent-socket: expected its folder {folder} to be writable by its owner only, found mode "
+            f"{stat.S_IMODE(st.st_mode):04o}; anyone who can write there can replace the socket "
+            "(use a folder of the agent's own, e.g. systemd's RuntimeDirectory, mode 0750)"
+        )
+    if st.st_uid not in (os.geteuid(), 0):
+        raise ServiceError(
+            f"agent-socket: expected its folder {folder} to belong to the agent's user or root, found uid {st.st_uid}"
+        )
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid
+
+
+def _busy_reply() -> bytes:
+    return local_wire.pack_reply(wire.ERR_UNAVAILABLE, wire.ERROR_TEXT[wire.ERR_UNAVAILABLE], None, None)
+
+
+class _Listener:
+    """Accepts connections, checks each one's peer, and answers one request per connection."""
+
+    def __init__(self, service: AgentService, sock: socket.socket, allowed: frozenset[int], max_bytes: int) -> None:
+        self.service, self.sock, self.allowed, self.max_bytes = service, sock, allowed, max_bytes
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.threads: set[threading.Thread] = set()
+        self.refused = 0
+
+    def run(self, stop: threading.Event) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.sock, selectors.EVENT_READ)
+            while not stop.is_set():
+                if not sel.select(timeout=0.2):
+                    continue
+                try:
+                    conn, _ = self.sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                self._accept(conn)
+
+    def _accept(self, conn: socket.socket) -> None:
+        pid, uid = _peer(conn)
+        if uid not in self.allowed:
+            self.refused += 1
+            LOG.warning("refused a connection from uid %d (process %d): not among the agent's socket peers", uid, pid)
+            conn.close()  # before a byte is read: nothing of the request reaches the agent
+            return
+        if not self.slots.acquire(blocking=False):
+            LOG.warning("busy: %d requests in progress; refused one from process %d", MAX_CONNECTIONS, pid)
+            with contextlib.suppress(OSError):
+                conn.settimeout(1.0)
+                local_wire.send(conn, _busy_reply())
+            conn.close()
+            return
+        thread = threading.Thread(target=self._serve_one, args=(conn,), name="fedfilter-agent-conn", daemon=True)
+        self.threads.add(thread)
+        thread.start()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(READ_TIMEOUT_S)
+            try:
+                frame: bytes | bytearray | None = local_wire.receive(conn, self.max_bytes)
+                reason: Exception | None = None
+            except local_wire.FrameError as exc:  # too large, a bad prefix or a short frame
+                frame, reason = None, exc
+            reply = self.service.worker.submit(self.service.handle, frame, reason).result()
+            conn.settimeout(None)
+            with contextlib.suppress(OSError):  # the caller gave up: the charge stands, a retry gets this reply
+                local_wire.send(conn, reply)
+        except OSError as exc:
+            LOG.warning("connection dropped before its request was read: %s", exc)
+        finally:
+            conn.close()
+            self.slots.release()
+            self.threads.discard(threading.current_thread())
+
+    def drain(self, timeout: float) -> None:
+        for thread in list(self.threads):
+            thread.join(timeout)
+
+
 def serve(config: AgentConfig, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
     """Run the service until ``stop`` is set (SIGTERM and SIGINT set it when run from the main thread)."""
     assert config.socket_path is not None
     path = config.socket_path
     stop = stop or threading.Event()
+    allowed = peer_uids(config)
+    check_socket_folder(path)
     claim_socket_path(path)
     with ledger_lock(config.ledger_path):
         service = AgentService(config)
-        server = grpc.server(
-            service.worker,
-            handlers=[
-                grpc.method_handlers_generic_handler(
-                    local_wire.SERVICE, {"Handle": grpc.unary_unary_rpc_method_handler(service.handle)}
-                )
-            ],
-            options=local_wire.CHANNEL_OPTIONS,
-            maximum_concurrent_rpcs=8,  # requests waiting beyond these are refused, not buffered
-        )
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o777 & ~config.socket_mode)  # the socket is created with its final mode
         try:
-            if server.add_insecure_port(f"unix:{path}") == 0:
-                raise ServiceError(f"agent-socket: expected to listen on {path}, found it could not be bound")
-        except RuntimeError as exc:  # grpc's own bind failure (a missing or unwritable folder)
+            sock.bind(str(path))
+        except OSError as exc:
+            sock.close()
+            service.close()
             raise ServiceError(f"agent-socket: expected to listen on {path}, found: {exc}") from exc
         finally:
             os.umask(old_umask)
         os.chmod(path, config.socket_mode)
-        server.start()
+        sock.listen(64)
+        sock.setblocking(False)
+        listener = _Listener(service, sock, allowed, max_request_bytes(config))
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
 
@@ -199,26 +328,29 @@ def serve(config: AgentConfig, *, ready: threading.Event | None = None, stop: th
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, on_signal)
         LOG.info(
-            "serving %s (unit %s, trust %s, filter %s) on %s, mode %o",
+            "serving %s (unit %s, trust %s, filter %s) on %s, mode %o, peers uid %s, requests up to %d bytes",
             config.ledger_path,
             config.unit,
             config.trust,
             config.filter,
             path,
             config.socket_mode,
+            sorted(allowed),
+            listener.max_bytes,
         )
         if ready is not None:
             ready.set()
         try:
-            stop.wait()
+            listener.run(stop)
         finally:
-            server.stop(grace=30).wait()  # the request in progress finishes and is committed
-            service.close()
+            sock.close()
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+            listener.drain(timeout=30)  # the requests in progress finish and are committed
+            service.close()
             for number, handler in previous.items():
                 signal.signal(number, handler)
-            LOG.info("stopped after %d requests", service.answered)
+            LOG.info("stopped after %d requests (%d connections refused)", service.answered, listener.refused)
     return 0
 
 

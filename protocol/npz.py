@@ -30,34 +30,74 @@ class ArchiveError(FedfilterError, ValueError):
     """An archive that is not a plain stored ``.npz`` whose members' headers match their bytes."""
 
 
-def _member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, what: str) -> NDArray[Any]:
-    raw = archive.read(info)  # stored: at most the archive's own size
-    buf = io.BytesIO(raw)
+class _Reader:
+    """A seekable read-only file over a buffer, without copying it (``io.BytesIO`` copies a bytearray)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.pos = view, 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, len(self.view))[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
+        out = bytes(self.view[self.pos : end])
+        self.pos = end
+        return out
+
+    def seekable(self) -> bool:
+        return True
+
+
+_LOCAL_HEADER = 30  # a zip local file header's fixed part; name and extra lengths at offsets 26 and 28
+_NPY_HEADER_MAX = 1 << 16
+
+
+def _member(view: memoryview, info: zipfile.ZipInfo, what: str) -> NDArray[Any]:
+    """One stored member as an array *viewing* the archive's bytes: its header checked, nothing copied."""
+    start = info.header_offset
+    local = bytes(view[start : start + _LOCAL_HEADER])
+    if len(local) != _LOCAL_HEADER or local[:4] != b"PK\x03\x04":
+        raise ArchiveError(f"{what}: member {info.filename!r} has no local header where the directory says")
+    data = start + _LOCAL_HEADER + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+    if data + info.file_size > len(view):
+        raise ArchiveError(f"{what}: member {info.filename!r} declares more bytes than the archive holds")
+    head = io.BytesIO(bytes(view[data : data + min(info.file_size, _NPY_HEADER_MAX)]))
     try:
-        version = np.lib.format.read_magic(buf)
-    except ValueError as exc:
+        version = np.lib.format.read_magic(head)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(head)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(head)
+        else:
+            raise ArchiveError(f"{what}: member {info.filename!r} has .npy version {version}; expected 1.0 or 2.0")
+    except (ValueError, EOFError) as exc:
         raise ArchiveError(f"{what}: member {info.filename!r} is not an .npy file: {exc}") from exc
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf)
-    elif version == (2, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(buf)
-    else:
-        raise ArchiveError(f"{what}: member {info.filename!r} has .npy version {version}; expected 1.0 or 2.0")
     if dtype.hasobject:
         raise ArchiveError(f"{what}: member {info.filename!r} holds Python objects; expected numbers or text")
-    offset = buf.tell()
-    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(raw) - offset:
+    count = int(np.prod(shape, dtype=np.int64))
+    if count * dtype.itemsize != info.file_size - head.tell():
         raise ArchiveError(
             f"{what}: member {info.filename!r} declares shape {shape} of {dtype}, which its bytes do not hold"
         )
-    flat = np.frombuffer(raw, dtype=dtype, offset=offset)  # a view of the member's bytes: no second copy
+    flat = np.frombuffer(view, dtype=dtype, count=count, offset=data + head.tell())
     return flat.reshape(shape, order="F" if fortran else "C")
 
 
-def load_stored(blob: bytes, *, what: str, max_members: int) -> dict[str, NDArray[Any]]:
-    """The named arrays of a stored ``.npz`` archive; anything else is an :class:`ArchiveError`."""
+def load_stored(blob: bytes | bytearray | memoryview, *, what: str, max_members: int) -> dict[str, NDArray[Any]]:
+    """The named arrays of a stored ``.npz`` archive, as read-only views of ``blob``; else :class:`ArchiveError`.
+
+    Nothing is copied but the members' small headers: the arrays share ``blob``'s memory, so
+    decoding costs at most the archive's own size, however the archive lies.
+    """
+    view = memoryview(blob).toreadonly().cast("B")
     try:
-        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+        with zipfile.ZipFile(_Reader(view)) as archive:
             infos = archive.infolist()
             if len(infos) > max_members:
                 raise ArchiveError(f"{what}: expected at most {max_members} members, found {len(infos)}")
@@ -65,12 +105,12 @@ def load_stored(blob: bytes, *, what: str, max_members: int) -> dict[str, NDArra
             for info in infos:
                 if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
                     raise ArchiveError(f"{what}: expected stored .npy members, found {info.filename!r}")
-                if info.file_size > len(blob) or info.compress_size != info.file_size:
+                if info.file_size > len(view) or info.compress_size != info.file_size:
                     raise ArchiveError(f"{what}: member {info.filename!r} declares more bytes than the archive holds")
                 names.add(info.filename)
             if len(names) != len(infos):
                 raise ArchiveError(f"{what}: expected distinct member names, found a repeated one")
-            return {info.filename[: -len(".npy")]: _member(archive, info, what) for info in infos}
+        return {info.filename[: -len(".npy")]: _member(view, info, what) for info in infos}
     except ArchiveError:
         raise
     except (zipfile.BadZipFile, EOFError, OSError, ValueError, MemoryError, KeyError) as exc:

@@ -32,8 +32,13 @@ RUN = "run"
 
 
 def make_clients(root: Path, n: int, **over: Any) -> list[Agent]:
-    """``n`` secagg agents, client units, 10 records each with known labels; all trust each other."""
-    return list(secagg_agents(root, n, **({"epsilon": 50.0} | over)).values())
+    """``n`` secagg agents, client units, 10 records each with known labels; all trust each other.
+
+    ``policy-secagg-tolerance`` is 0 unless given: these scripts probe the protocol's own checks with
+    the thresholds the attacks need (m = 3 of 5 or 7); the tolerance f, which refuses such rosters
+    before any of them, has its own tests (test_secagg_attacks.py, "restored or cloned peers").
+    """
+    return list(secagg_agents(root, n, **({"epsilon": 50.0, "policy-secagg-tolerance": 0} | over)).values())
 
 
 def label_count(agent: Agent) -> int:

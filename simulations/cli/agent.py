@@ -35,6 +35,9 @@ def add_parser(sub: Subparsers) -> None:
         ),
     )
     keygen.add_argument("path", type=Path, help="the identity key file to create")
+    keygen.add_argument(
+        "--owner", default=None, help="the agent's OS user (name or uid), who owns the key; required when run as root"
+    )
     keygen.set_defaults(handler=run_keygen)
     check = asub.add_parser("check", help="validate an agent TOML (configuration, data, ledger) before starting")
     check.add_argument("path", type=Path)
@@ -68,10 +71,20 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def run_keygen(args: argparse.Namespace) -> int:
+    import os
+
+    from client_agent.config import AgentConfigError
     from client_agent.identity import write_identity
 
-    public = write_identity(args.path)
-    print(f"wrote {args.path} (0600)")
+    if args.owner is None and os.geteuid() == 0:
+        raise AgentConfigError(
+            f"agent keygen: running as root, {args.path} would be readable by root only, not by the agent's user; "
+            f"run `fedfilter agent keygen {args.path} --owner AGENT_USER` (or run keygen as that user; "
+            "--owner root if the agent really runs as root)"
+        )
+
+    public = write_identity(args.path, owner=args.owner)
+    print(f"wrote {args.path} (0600{', owner ' + args.owner if args.owner else ''})")
     print(f"identity (for the other owners' secagg-peers files): {public.hex()}")
     return 0
 

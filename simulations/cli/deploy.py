@@ -43,6 +43,19 @@ def add_parser(sub: Subparsers) -> None:
     keys.add_argument("--force", action="store_true", help="replace existing files")
     keys.set_defaults(handler=run_keys)
 
+    shim = sub.add_parser(
+        "node-shim",
+        help="write the flwr-clientapp shim for a SuperNode's PATH (fresh folders, a PID namespace per run)",
+        description=(
+            "Writes DIR/flwr-clientapp (mode 0755), run by --python (default: this interpreter). Put DIR first on the "
+            "SuperNode's PATH: each ClientApp then runs in fresh folders and its own PID namespace, so nothing a run's "
+            "bundle writes or starts outlives the run (docs/deploy.md section 9)."
+        ),
+    )
+    shim.add_argument("dir", type=Path, help="the folder for flwr-clientapp (e.g. /opt/fedfilter/node-bin)")
+    shim.add_argument("--python", default=None, help="the interpreter the SuperNode's user runs it with")
+    shim.set_defaults(handler=run_node_shim)
+
     run = sub.add_parser(
         "run",
         help="flwr run --stream on a deployment, with the run config checked first and an honest exit code",
@@ -80,3 +93,16 @@ def run_deployed(args: argparse.Namespace) -> int:
     from simulations.deploy.run import run
 
     return run(args.app, args.connection, args.run_config)
+
+
+def run_node_shim(args: argparse.Namespace) -> int:
+    import sys
+
+    from simulations.deploy.clientapp_sandbox import namespaces_work, write_shim
+
+    path = write_shim(args.dir, args.python or sys.executable)
+    print(f"wrote {path}; put {args.dir} first on the SuperNode's PATH")
+    why = namespaces_work("unshare")
+    if why is not None:
+        print(f"warning: this host cannot make PID namespaces ({why}); the shim will refuse to start ClientApps")
+    return 0

@@ -48,6 +48,7 @@ from typing import Any
 from protocol.errors import FedfilterError
 from simulations.deploy.agent_files import check_agent_file
 from simulations.deploy.certs import CONNECTION, Certificates, make_certificates, write_connection
+from simulations.deploy.clientapp_sandbox import write_shim
 
 FLOWER_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -458,6 +459,16 @@ class LocalDeployment:
             time.sleep(0.1)
         return service
 
+    def clientapp_shim(self, launcher: NodeLauncher | None = None) -> Path:
+        """``root/node-bin/flwr-clientapp``: each ClientApp in fresh folders and its own PID namespace.
+
+        :mod:`simulations.deploy.clientapp_sandbox`, run by the node's interpreter; it goes first on
+        every SuperNode's PATH, so nothing a run's bundle writes or starts outlives the run.
+        """
+        node_bin = (launcher or self.node_launcher).bin_dir or self.bin_dir
+        python = node_bin / "python3" if (node_bin / "python3").exists() else Path(sys.executable)
+        return write_shim(self.root / "node-bin", str(python))
+
     def start_agent(
         self,
         name: str,
@@ -467,14 +478,17 @@ class LocalDeployment:
         retry_for: float = 120.0,
         timeout: float = 90.0,
         agent: Service | None = None,
+        launcher: NodeLauncher | None = None,
     ) -> Service:
         """Start the agent service (unless ``agent`` is one still running), then a SuperNode that proxies to it.
 
         The SuperNode's node config holds only ``agent-socket``: the data, the ledger and the
         policy stay with the agent service. Waits for the SuperNode's node id; while the SuperLink
         refuses to activate the node (a crashed predecessor still counts as online), starts it
-        again every few seconds for up to ``retry_for`` seconds.
+        again every few seconds for up to ``retry_for`` seconds. ``launcher`` (default: the
+        deployment's) starts this SuperNode, e.g. as its own OS user.
         """
+        launcher = launcher or self.node_launcher
         if self.certs is None:
             raise DeploymentError("start the SuperLink first")
         if agent is None or not agent.alive():
@@ -487,8 +501,8 @@ class LocalDeployment:
         while True:
             attempt += 1
             argv = [
-                *self.node_launcher.prefix,
-                self._tool("flower-supernode", self.node_launcher.bin_dir),
+                *launcher.prefix,
+                self._tool("flower-supernode", launcher.bin_dir),
                 "--superlink",
                 self.address,
                 "--root-certificates",
@@ -506,7 +520,8 @@ class LocalDeployment:
             ]
             log = self.root / "logs" / f"{name}.log"
             seen = len(log.read_text(errors="replace")) if log.exists() else 0
-            env = self.env(home, base=self.node_launcher.env, bin_dir=self.node_launcher.bin_dir)
+            env = self.env(home, base=launcher.env, bin_dir=launcher.bin_dir)
+            env["PATH"] = f"{self.clientapp_shim(launcher).parent}{os.pathsep}{env['PATH']}"
             service = self._spawn(name, argv, home, log, env=env)
             waited_until = time.monotonic() + timeout
             while True:

@@ -1,14 +1,17 @@
-"""Privilege separation on a deployed client (issue 13, privacy.md §10): a hostile app bundle gets nothing.
+"""Privilege separation on a deployed client (issues 13 and 25, privacy.md §10): a hostile app bundle gets nothing.
 
 Two client agents on loopback, as separate OS users would run them:
 
 - each agent service (``fedfilter agent serve``) runs as root, the data owner: its TOML, data and
   ledger lie in a root-owned folder of mode 0700, the files 0600;
-- each SuperNode runs as ``nobody:nogroup`` (``setpriv --reuid=nobody --regid=nogroup
-  --clear-groups``), from a virtual environment that user can execute, with TLS to the SuperLink and
-  node authentication; it reaches its agent only through the agent's Unix socket, in a folder
-  ``root:nogroup`` of mode 2750 (setgid: the socket the service creates, mode 0660, is group
-  nogroup, also after a restart).
+- each SuperNode runs as a user of its own (uid NODE_UIDS[i], ``setpriv --reuid --regid --groups``),
+  from a virtual environment that user can execute, with TLS to the SuperLink and node
+  authentication; its key is readable by that user only. Both reach the sockets' folder (``root``,
+  group SOCKET_GID, mode 2750, setgid: every socket made there, mode 0660, is in that group, also
+  after a restart), as a host shared by two agents would have it; what keeps agent i's SuperNode
+  from agent j's socket is agent j's ``agent-socket-peers`` (SO_PEERCRED), not the file mode;
+- each SuperNode starts its ClientApps through fedfilter's ``flwr-clientapp`` shim
+  (:mod:`simulations.deploy.clientapp_sandbox`): fresh folders and a PID namespace per run.
 
 In order:
 1. an honest run (two gradient rounds); agent 0's service is killed with SIGKILL while its request
@@ -19,21 +22,26 @@ In order:
    request like the real proxy, and adds its own: one below the agent's ``policy-min-noise-std``,
    one carrying a budget key, and one within the policy under a new request id. Every read fails
    with PermissionError; the first two are refused and charge nothing; the ledger gains only the
-   admitted requests, each charged (norm / noise_std)^2 per unit by the filter.
+   admitted requests, each charged (norm / noise_std)^2 per unit by the filter. It also asks the
+   *other* agent's socket (closed unread: not its peer), reads the other node's key (PermissionError),
+   appends code to every unpacked app it can find under its SuperNode's home and its own
+   ``FLWR_HOME``, and forks a daemon that keeps asking its agent.
+3. a second honest run: the planted code never runs, and the daemon is gone once the hostile run
+   ended.
 
 Every process is started in its own session and stopped by PID, also when a test fails. Runs only
-as root with ``setpriv`` and a python3.11 that ``nobody`` can execute; skipped otherwise, except under
-``CI=true``, where a test that cannot run fails with its reason.
+as root with ``setpriv``, unprivileged user namespaces and a python3.11 that the node users can
+execute; skipped otherwise, except under ``CI=true``, where a test that cannot run fails with its reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import grp
 import json
 import os
-import pwd
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -69,8 +77,17 @@ from tests.e2e.common import make_parts, snapshot
 
 pytestmark = pytest.mark.flower
 
-NODE_USER, NODE_GROUP = "nobody", "nogroup"
-SETPRIV = ("setpriv", f"--reuid={NODE_USER}", f"--regid={NODE_GROUP}", "--clear-groups")
+NODE_UIDS = (64001, 64002)  # one OS user per SuperNode (numeric: nothing is added to /etc/passwd)
+SOCKET_GID = 64000  # the group of the sockets' folder, which both node users are in
+OVERFLOW_GID = (
+    int(Path("/proc/sys/kernel/overflowgid").read_text()) if Path("/proc/sys/kernel/overflowgid").exists() else 65534
+)
+
+
+def setpriv(uid: int) -> tuple[str, ...]:
+    return ("setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={SOCKET_GID}")
+
+
 NODE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8"}  # what the SuperNodes start with
 NODE_TOOLS = ("flower-supernode", "flower-superexec", "flwr-clientapp")
 N_AGENTS = 2
@@ -85,16 +102,16 @@ MODEL_ARGS = json.dumps({"in_features": 4, "n_classes": 2})
 # --- what the test needs from the host ---------------------------------------------------------
 
 
-def as_node_user(*argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` as nobody:nogroup with no supplementary groups and a minimal environment."""
+def as_node_user(*argv: str, timeout: float = 60.0, uid: int = NODE_UIDS[0]) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` as a node user with the sockets' group only and a minimal environment."""
     return subprocess.run(
-        [*SETPRIV, *argv], env=NODE_ENV, cwd="/", capture_output=True, text=True, timeout=timeout, check=False
+        [*setpriv(uid), *argv], env=NODE_ENV, cwd="/", capture_output=True, text=True, timeout=timeout, check=False
     )
 
 
 @functools.cache
 def node_python() -> str | None:
-    """A python of this interpreter's version that nobody can execute (a pyenv shim under /root is not)."""
+    """A python of this interpreter's version that the node users can execute (a pyenv shim under /root is not)."""
     wanted = f"{sys.version_info[0]}.{sys.version_info[1]}"
     candidates = [shutil.which(f"python{wanted}", path=d) for d in os.environ.get("PATH", "").split(os.pathsep)]
     candidates += [shutil.which(f"python{wanted}", path=d) for d in ("/usr/local/bin", "/usr/bin")]
@@ -115,21 +132,20 @@ def cannot_run(reason: str) -> None:
 
 def skip_reason() -> str | None:
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "needs root: the agent services run as root, the SuperNodes as nobody (setpriv)"
-    if shutil.which("setpriv") is None:
-        return "needs setpriv (util-linux) to run the SuperNodes as nobody"
-    try:
-        pwd.getpwnam(NODE_USER)
-        grp.getgrnam(NODE_GROUP)
-    except KeyError:
-        return f"needs the user {NODE_USER} and the group {NODE_GROUP}"
+        return "needs root: the agent services run as root, the SuperNodes as users of their own (setpriv)"
+    for tool in ("setpriv", "unshare"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (util-linux) to run the SuperNodes and their ClientApps"
+    probe = as_node_user("unshare", "--user", "--map-current-user", "--pid", "--fork", "--kill-child", "true")
+    if probe.returncode != 0:
+        return f"needs unprivileged user namespaces for the ClientApp's PID namespace: {probe.stderr.strip()}"
     if node_python() is None:
-        return f"needs a python{sys.version_info[0]}.{sys.version_info[1]} that {NODE_USER} can execute"
+        return f"needs a python{sys.version_info[0]}.{sys.version_info[1]} that uid {NODE_UIDS[0]} can execute"
     return None
 
 
 def make_node_venv(dest: Path, python: str) -> Path:
-    """A venv nobody can run, seeing this interpreter's site-packages, with Flower's node commands; its bin dir."""
+    """A venv the node users can run, seeing this interpreter's site-packages, with Flower's node commands."""
     subprocess.run([python, "-m", "venv", "--without-pip", str(dest)], check=True, capture_output=True)
     out = subprocess.run(
         [str(dest / "bin" / "python3"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -148,7 +164,7 @@ def make_node_venv(dest: Path, python: str) -> Path:
     probe = as_node_user(str(dest / "bin" / "python3"), "-c", "import flwr.supernode, numpy, grpc")
     if probe.returncode != 0:
         cannot_run(
-            f"{NODE_USER} cannot import Flower from {list(paths)} (every folder on the way must be o+rx): "
+            f"uid {NODE_UIDS[0]} cannot import Flower from {list(paths)} (every folder on the way must be o+rx): "
             f"{probe.stderr.strip().splitlines()[-1:]}"
         )
     return dest / "bin"
@@ -161,8 +177,8 @@ HOSTILE_CLIENT_APP = '''"""A hostile bundle's ClientApp: steals what it can, the
 import base64
 import json
 import os
+import socket
 
-import grpc
 from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
@@ -172,6 +188,57 @@ from protocol.records import decode_content, encode_content
 TARGETS = {targets!r}
 EXFIL = {exfil!r}
 LOW_NOISE = {low_noise!r}
+OTHER = {other!r}  # socket -> the other agent's socket
+KEYS = {keys!r}  # socket -> the other node's private key
+HOMES = {homes!r}  # socket -> this node's SuperNode home (its FLWR_HOME)
+PLANTED = os.path.join(EXFIL, "planted.log")
+DAEMON_MARK = "fedfilter-hostile-daemon"
+DAEMON = """
+import socket, sys, time
+sock, log = sys.argv[1], sys.argv[2]
+end = time.time() + 150
+while time.time() < end:
+    line = str(time.time())
+    try:
+        c = socket.socket(socket.AF_UNIX)
+        c.settimeout(5)
+        c.connect(sock)
+        c.close()
+        line += " connected"
+    except OSError as exc:
+        line += " " + type(exc).__name__
+    with open(log, "a") as f:
+        f.write(line + "\\n")
+    time.sleep(1)
+"""
+
+
+def plant():
+    """Append code to every unpacked app's client_app.py this user can find: it would run in later runs."""
+    done = []
+    for root in {{os.environ.get("FLWR_HOME", ""), *HOMES.values()}}:
+        for dirpath, _, files in os.walk(os.path.join(root, "apps")) if root else []:
+            if "client_app.py" in files:
+                path = os.path.join(dirpath, "client_app.py")
+                try:
+                    with open(path, "a") as out:
+                        out.write("\\nopen(" + repr(PLANTED) + ", 'a').write('planted code ran\\\\n')\\n")
+                    done.append(path)
+                except OSError as exc:
+                    done.append(path + ": " + type(exc).__name__)
+    return done
+
+
+def fork_daemon(sock):
+    import subprocess, sys
+    log = os.path.join(EXFIL, "daemon-" + os.path.basename(sock) + ".log")
+    import time
+    subprocess.Popen([sys.executable, "-c", DAEMON, sock, log, DAEMON_MARK], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 20
+    while time.time() < deadline and not os.path.exists(log):  # it is running: it wrote its first line
+        time.sleep(0.05)
+    return os.path.exists(log)
 
 
 def steal(path):
@@ -185,8 +252,11 @@ def steal(path):
 
 def ask(sock, message_type, config, arrays):
     frame = local_wire.pack_request(message_type, dict(config), dict(arrays))
-    with grpc.insecure_channel("unix:" + sock, options=local_wire.CHANNEL_OPTIONS) as channel:
-        reply = channel.unary_unary(local_wire.METHOD)(frame, timeout=120)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(120)
+        conn.connect(sock)
+        local_wire.send(conn, frame)
+        reply = local_wire.receive(conn, local_wire.MAX_FRAME_BYTES)
     return local_wire.unpack_reply(reply)
 
 
@@ -196,6 +266,8 @@ def handle(msg, context):
     record = {{"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(), "socket": sock,
               "message_type": message_type, "asked": []}}
     record["reads"] = {{name: steal(path) for target in TARGETS.values() for name, path in target.items()}}
+    record["other_key"] = {{k: v for k, v in steal(KEYS[sock]).items() if k != "content"}}
+    record["flwr_home"] = os.environ.get("FLWR_HOME")
     try:
         record["listing"] = sorted(os.listdir(os.path.dirname(next(iter(TARGETS[sock].values())))))
     except BaseException as exc:
@@ -204,7 +276,14 @@ def handle(msg, context):
         config, arrays = decode_content(msg.content)
         code, reason, reply_config, reply_arrays = ask(sock, message_type, config, arrays)
         record["asked"].append({{"what": "forwarded", "request_id": config.get("request_id"), "code": code}})
+        try:
+            cross = dict(config, request_id=str(config.get("request_id")) + "-cross")
+            record["cross"] = {{"code": ask(OTHER[sock], message_type, cross, arrays)[0]}}
+        except BaseException as exc:
+            record["cross"] = {{"error": type(exc).__name__}}
         if message_type == "train.gradient":
+            record["planted"] = plant()
+            record["daemon_started"] = fork_daemon(sock)
             rid = config["request_id"]
             hostile = [
                 ("below-policy", dict(config, request_id=rid + "-hostile-low-noise", noise_std=LOW_NOISE)),
@@ -238,10 +317,18 @@ for name in ("indicator", "monitor", "status", "secagg_keys", "secagg_shares", "
 '''
 
 
-def stage_hostile_app(dest: Path, targets: dict[str, dict[str, str]], exfil: Path) -> Path:
+def stage_hostile_app(dest: Path, world: World) -> Path:
     """The app bundle with its ClientApp replaced by :data:`HOSTILE_CLIENT_APP`."""
     app = stage_app(dest)
-    code = HOSTILE_CLIENT_APP.format(targets=targets, exfil=str(exfil), low_noise=HOSTILE_NOISE_STD)
+    sockets = [str(a.socket) for a in world.agents]
+    code = HOSTILE_CLIENT_APP.format(
+        targets=hostile_targets(world),
+        exfil=str(world.exfil),
+        low_noise=HOSTILE_NOISE_STD,
+        other={sock: sockets[1 - i] for i, sock in enumerate(sockets)},
+        keys={sock: str(world.keys[1 - i]) for i, sock in enumerate(sockets)},
+        homes={sock: str(world.keys[i].parent) for i, sock in enumerate(sockets)},
+    )
     compile(code, "client_app.py", "exec")
     (app / "client_agent" / "client_app.py").write_text(code)
     return app
@@ -306,19 +393,19 @@ class World:
     services: list[Any]
     supernodes: list[Any]
     exfil: Path
+    launchers: list[NodeLauncher] = field(default_factory=list)
     results: dict[str, Any] = field(default_factory=dict)
 
 
 def build_world(root: Path) -> World:
     """The owner's files, the sockets' folder, the node venv and the deployment (nothing started yet)."""
-    nogroup = grp.getgrnam(NODE_GROUP).gr_gid
     owner_dir, sockets, exfil = root / "owner", root / "sockets", root / "exfil"
     tomls = write_agent_files(
         owner_dir, make_parts(N_AGENTS, RECORDS, seed=13), epsilon=EPSILON, delta=1e-5, unit="record", trust="local"
     )
     sockets.mkdir()
-    os.chown(sockets, 0, nogroup)
-    sockets.chmod(0o2750)  # setgid: every socket made here is group nogroup, also after a restart
+    os.chown(sockets, 0, SOCKET_GID)
+    sockets.chmod(0o2750)  # setgid: every socket made here is in the sockets' group, also after a restart
     exfil.mkdir()
     exfil.chmod(0o1777)
     agents = []
@@ -327,6 +414,7 @@ def build_world(root: Path) -> World:
         values["agent-socket"] = str(sockets / f"agent{i}.sock")
         values["agent-socket-mode"] = "0660"
         values["policy-min-noise-std"] = POLICY_MIN_NOISE_STD
+        values["agent-socket-peers"] = [str(NODE_UIDS[i])]  # its own SuperNode's user, nobody else
         write_agent_toml(toml, values)
         agents.append(Agent(toml, Path(values["data-path"]), Path(values["ledger-path"]), Path(values["agent-socket"])))
     for path in [owner_dir, *owner_dir.rglob("*")]:
@@ -334,15 +422,15 @@ def build_world(root: Path) -> World:
 
     python = node_python()
     assert python is not None
-    launcher = NodeLauncher(prefix=SETPRIV, bin_dir=make_node_venv(root / "nodevenv", python), env=NODE_ENV)
-    dep = LocalDeployment(root / "deploy", node_launcher=launcher)
-    return World(root, dep, agents, [], [], [], exfil)
+    bin_dir = make_node_venv(root / "nodevenv", python)
+    launchers = [NodeLauncher(prefix=setpriv(uid), bin_dir=bin_dir, env=NODE_ENV) for uid in NODE_UIDS]
+    dep = LocalDeployment(root / "deploy", node_launcher=launchers[0])
+    return World(root, dep, agents, [], [], [], exfil, launchers)
 
 
 def start_world(world: World) -> None:
-    """The SuperLink, then per agent: its key registered, its service (as root) and its SuperNode (as nobody)."""
+    """The SuperLink, then per agent: its key registered, its service (as root) and its SuperNode (its own user)."""
     dep, agents = world.dep, world.agents
-    nobody, nogroup = pwd.getpwnam(NODE_USER).pw_uid, grp.getgrnam(NODE_GROUP).gr_gid
     dep.start_superlink()
     for i in range(N_AGENTS):
         key = make_node_keys(world.root / "keys" / f"agent{i}").private
@@ -350,15 +438,18 @@ def start_world(world: World) -> None:
         home.mkdir(parents=True)
         node_key = home / "node.key"
         shutil.copyfile(key, node_key)
-        os.chown(home, nobody, nogroup)
-        os.chown(node_key, nobody, nogroup)
+        os.chown(home, NODE_UIDS[i], NODE_UIDS[i])
+        os.chown(node_key, NODE_UIDS[i], NODE_UIDS[i])
         home.chmod(0o700)
         node_key.chmod(0o600)
         dep.register(key.with_name(key.name + ".pub"))
         world.keys.append(node_key)
     with ThreadPoolExecutor(N_AGENTS) as pool:  # each: the agent service (as root), then its SuperNode
         world.supernodes = list(
-            pool.map(lambda i: dep.start_agent(f"agent{i}", agents[i].toml, world.keys[i]), range(N_AGENTS))
+            pool.map(
+                lambda i: dep.start_agent(f"agent{i}", agents[i].toml, world.keys[i], launcher=world.launchers[i]),
+                range(N_AGENTS),
+            )
         )
     world.services = [node.agent for node in world.supernodes]
 
@@ -376,7 +467,7 @@ def hostile_targets(world: World) -> dict[str, dict[str, str]]:
 
 def run_hostile(world: World, run_id: str) -> dict[str, Any] | DeploymentError:
     """``flwr run`` of the hostile bundle; its summary, or the error if the run left none."""
-    app = stage_hostile_app(world.root / f"app-{run_id}", hostile_targets(world), world.exfil)
+    app = stage_hostile_app(world.root / f"app-{run_id}", world)
     try:
         return world.dep.run(app, run_config(run_id, 1), timeout=300)
     except DeploymentError as exc:
@@ -402,6 +493,9 @@ def world() -> Iterator[World]:
                 dep.stop_all()
                 assert dep.survivors() == []  # every process started, and every process they started, is gone
         finally:
+            for pid, _ in daemon_processes():  # only if the shim failed: nothing the test caused outlives it
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             shutil.rmtree(root, ignore_errors=True)
 
 
@@ -451,16 +545,38 @@ def scenario(world: World) -> World:
     world.results["hostile"] = run_hostile(world, "hostile")
     world.results["after_hostile"] = [snapshot(a.ledger) for a in world.agents]
     world.results["exfil"] = read_exfil(world.exfil)
+    world.results["daemons_after_hostile"] = daemon_processes()
+    world.results["daemon_logs_after_hostile"] = daemon_log_sizes(world)
+    world.results["honest2"] = dep.run(stage_app(world.root / "app"), run_config("honest2", 1), timeout=300)
+    world.results["daemon_logs_after_honest2"] = daemon_log_sizes(world)
+    world.results["daemons_after_honest2"] = daemon_processes()
+    world.results["after_honest2"] = [snapshot(a.ledger) for a in world.agents]
     world.results["wall_s"] = time.monotonic() - started
     return world
+
+
+def daemon_processes() -> list[tuple[int, int]]:
+    """(pid, uid) of every live process whose command line carries the hostile daemon's mark."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"fedfilter-hostile-daemon" in (entry / "cmdline").read_bytes():
+                found.append((int(entry.name), entry.stat().st_uid))
+        except OSError:
+            continue
+    return found
+
+
+def daemon_log_sizes(world: World) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(world.exfil.glob("daemon-*.log"))}
 
 
 # --- the tests ---------------------------------------------------------------------------------
 
 
-def test_owner_files_are_the_owners_and_nodes_run_as_nobody(scenario: World) -> None:
-    nobody = pwd.getpwnam(NODE_USER).pw_uid
-    nogroup = grp.getgrnam(NODE_GROUP).gr_gid
+def test_owner_files_are_the_owners_and_each_node_runs_as_its_own_user(scenario: World) -> None:
     owner_dir = scenario.agents[0].toml.parent
     st = owner_dir.stat()
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o700)
@@ -469,17 +585,21 @@ def test_owner_files_are_the_owners_and_nodes_run_as_nobody(scenario: World) -> 
             st = path.stat()
             assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600), path
     st = scenario.agents[0].socket.parent.stat()
-    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, nogroup, 0o2750)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, SOCKET_GID, 0o2750)
     for st in scenario.results["socket_modes"]:  # agent 0's socket is the restarted service's
-        assert stat.S_ISSOCK(st.st_mode) and (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, nogroup, 0o660)
-    for node in scenario.supernodes:  # the SuperNode (setpriv execs it) and everything it started
+        assert stat.S_ISSOCK(st.st_mode) and (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, SOCKET_GID, 0o660)
+    for i, key in enumerate(scenario.keys):  # each node's key: its own user's only
+        for path in (key, key.parent):
+            st = path.stat()
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (NODE_UIDS[i], 0o600 if path == key else 0o700)
+    for node, uid in zip(scenario.supernodes, NODE_UIDS, strict=True):  # the SuperNode and everything it started
         for pid in (node.pid, *descendants(node.pid)):
             try:
                 status = Path(f"/proc/{pid}/status").read_text()
             except FileNotFoundError:  # a ClientApp that just finished
                 continue
             uids = next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1:]
-            assert set(uids) == {str(nobody)}, (pid, status[:200])
+            assert set(uids) == {str(uid)}, (pid, status[:200])
     for service in scenario.services:
         assert Path(f"/proc/{service.pid}/status").read_text().count("Uid:\t0\t0\t0\t0") == 1
 
@@ -513,12 +633,14 @@ def test_killed_agent_service_keeps_every_spend(scenario: World) -> None:
 
 def test_hostile_bundle_reads_nothing_of_the_owner(scenario: World) -> None:
     records = scenario.results["exfil"]
-    nobody = pwd.getpwnam(NODE_USER).pw_uid
-    sockets = {str(a.socket) for a in scenario.agents}
-    assert {r["socket"] for r in records} == sockets  # the hostile code ran on every node
+    sockets = [str(a.socket) for a in scenario.agents]
+    assert {r["socket"] for r in records} == set(sockets)  # the hostile code ran on every node
     assert {r["message_type"] for r in records} >= {"query.status", "train.gradient"}
     for record in records:
-        assert (record["uid"], record["groups"]) == (nobody, [])
+        assert record["uid"] == NODE_UIDS[sockets.index(record["socket"])]
+        # Inside the ClientApp's user namespace the sockets' group is not mapped: it shows as the overflow gid.
+        assert record["groups"] in ([SOCKET_GID], [OVERFLOW_GID])
+        assert record["other_key"] == {"error": "PermissionError"}  # the other node's key
         assert record["listing"] == "PermissionError"
         assert len(record["reads"]) == 3 * N_AGENTS
         for name, got in record["reads"].items():
@@ -578,3 +700,69 @@ def test_a_hostile_bundle_test_that_cannot_run_fails_under_ci_and_skips_elsewher
     monkeypatch.setenv("CI", "false")
     with pytest.raises(pytest.skip.Exception, match="needs setpriv"):
         cannot_run("needs setpriv")
+
+
+def test_each_agent_answers_its_own_supernode_only(scenario: World) -> None:
+    """Both node users can open both sockets (a shared group, as one host's layout had it); the agent
+    closes a connection from any other agent's SuperNode unread (SO_PEERCRED), so nothing is charged."""
+    records = scenario.results["exfil"]
+    assert records and all("cross" in r for r in records)
+    for record in records:
+        closed = ("ConnectionResetError", "BrokenPipeError", "FrameError")  # closed unread, however it shows
+        assert set(record["cross"]) == {"error"} and record["cross"]["error"] in closed, record
+    for after in scenario.results["after_honest2"]:
+        assert not any(rid.endswith("-cross") for rid in after.request_ids)
+
+
+def test_code_planted_by_a_bundle_never_runs_in_a_later_run(scenario: World) -> None:
+    """The hostile run appended code to every unpacked app it could reach; the next genuine run unpacks
+    its bundle afresh in a private FLWR_HOME, so the planted line never runs."""
+    records = [r for r in scenario.results["exfil"] if r["message_type"] == "train.gradient"]
+    assert len(records) == N_AGENTS
+    homes = {str(k.parent) for k in scenario.keys}
+    for record in records:
+        assert record["flwr_home"] not in homes  # the ClientApp's FLWR_HOME is a fresh folder, not the node's
+        assert any(p.startswith(record["flwr_home"]) for p in record["planted"])  # it planted in its own unpacked app
+    honest2 = scenario.results["honest2"]
+    assert honest2["rounds_completed"] == 1 and honest2["rounds"][0]["replies"] == N_AGENTS
+    assert not (scenario.exfil / "planted.log").exists(), (scenario.exfil / "planted.log").read_text()
+
+
+def test_a_daemon_forked_by_a_bundle_is_gone_when_its_run_ends(scenario: World) -> None:
+    """Each hostile ClientApp forked a daemon (its own session) that asks its agent every second for
+    150 s; its PID namespace dies with the ClientApp, so none is alive after the run and none writes on."""
+    started = [r.get("daemon_started") for r in scenario.results["exfil"] if r["message_type"] == "train.gradient"]
+    assert started == [True] * N_AGENTS  # each daemon ran (it wrote its first line before its ClientApp answered)
+    logs = scenario.results["daemon_logs_after_hostile"]
+    assert len(logs) == N_AGENTS and all(size > 0 for size in logs.values())
+    assert scenario.results["daemons_after_hostile"] == []
+    assert scenario.results["daemons_after_honest2"] == []
+    assert scenario.results["daemon_logs_after_honest2"] == logs  # not one line written after the run
+
+
+def test_the_namespace_is_what_stops_the_daemon(tmp_path: Path) -> None:
+    """Control: the same daemon started by a node-user process outside a PID namespace outlives it."""
+    reason = skip_reason()
+    if reason:
+        cannot_run(reason)
+    python = node_python()
+    assert python is not None
+    tmp_path.chmod(0o777)
+    spawn = (
+        "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', "
+        "'fedfilter-hostile-daemon'], start_new_session=True, stdin=subprocess.DEVNULL, "
+        "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)"
+    )
+    plain = as_node_user(python, "-c", spawn)
+    assert plain.returncode == 0, plain.stderr
+    try:
+        time.sleep(0.5)
+        assert daemon_processes() != []  # outside a namespace it outlives its parent
+    finally:
+        for pid, _ in daemon_processes():
+            os.kill(pid, signal.SIGKILL)
+    isolate = ("unshare", "--user", "--map-current-user", "--pid", "--fork", "--kill-child")
+    namespaced = as_node_user(*isolate, python, "-c", spawn)
+    assert namespaced.returncode == 0, namespaced.stderr
+    time.sleep(0.5)
+    assert daemon_processes() == []

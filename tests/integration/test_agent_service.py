@@ -296,13 +296,10 @@ def test_a_caller_that_gives_up_mid_request_gets_the_committed_reply_on_retry(
     served: tuple[Path, subprocess.Popen[str]], tmp_path: Path
 ) -> None:
     """The proxy disconnects (its deadline passes) while the agent works: the agent still commits, once."""
-    import grpc
-
     sock = tmp_path / "agent.sock"
     # The service's first gradient imports torch (seconds): the caller's 0.5 s deadline passes mid-request.
-    with pytest.raises(grpc.RpcError) as gone:
+    with pytest.raises(TimeoutError):
         forward(str(sock), wire.GRADIENT, *gradient("g1"), timeout=0.5)
-    assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deadline = time.monotonic() + 60
     while True:  # the agent finishes and commits the request nobody is waiting for
         with Ledger.open_existing(tmp_path / "ledger.sqlite") as ledger:

@@ -365,7 +365,8 @@ class TestCommit:
         with Ledger.open(ledger_path, make_config()) as ledger:
             assert ledger._conn is not None
             ledger._conn.execute(
-                "CREATE TEMP TRIGGER fail_state BEFORE UPDATE ON main.state BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
+                "CREATE TEMP TRIGGER fail_state BEFORE UPDATE ON main.state "
+                "BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
             )
             before = ledger.state()
             with pytest.raises(
@@ -459,7 +460,7 @@ class TestNeverReset:
             + ".*"
             + re.escape(detail)
             + ".*"
-            + re.escape("; refusing to answer; it is never reset; restore it from a backup or investigate")
+            + re.escape("; refusing to answer; it is never reset; do not answer from an older copy")
         )
         for _ in range(2):  # refusing twice shows the first refusal repaired nothing
             with pytest.raises(LedgerError, match=pattern):

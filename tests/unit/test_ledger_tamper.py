@@ -130,7 +130,7 @@ def deflated_blob(n_bytes: int) -> bytes:
 def test_a_deflated_blob_is_refused_before_it_inflates() -> None:
     blob = deflated_blob(64 << 20)  # 64 MiB of zeros in about 64 KiB
     assert len(blob) < 1 << 20
-    with pytest.raises(ArchiveError, match="expected stored .npy members"):
+    with pytest.raises(ArchiveError, match=r"expected stored \.npy members"):
         _decode(blob)
 
 
@@ -150,7 +150,7 @@ def test_a_planted_release_blob_is_a_corrupt_ledger_in_verify(tmp_path: Path) ->
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("UPDATE requests SET release = ? WHERE seq = 1", (deflated_blob(64 << 20),))
     conn.close()
-    with pytest.raises(LedgerError, match="release of request 'g0' does not decode: blob: expected stored"):
+    with pytest.raises(LedgerError, match=r"release of request 'g0' does not decode: blob: expected stored"):
         verify_ledger(path)
 
 

@@ -390,3 +390,88 @@ def test_an_aborted_attack_keeps_the_charges_of_the_inputs_that_left(tmp_path: P
     for agent in clients:  # every masked input left, so every client paid for it, once; the ledgers replay
         assert agent.ledger.state()["spent"][0] > 0.0
         assert verify_ledger(agent.config.ledger_path) == []
+
+
+# --- (7) restored or cloned peers: one client signs two survivor sets ----------------------------------
+
+
+def restore(clients: list, idx: int, saved: bytes) -> None:
+    """Client ``idx``'s ledger put back to ``saved`` (a backup taken earlier), and the agent started again."""
+    from client_agent.agent import Agent
+
+    config = clients[idx].config
+    clients[idx].close()
+    path = config.ledger_path
+    for leftover in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        leftover.unlink(missing_ok=True)
+    path.write_bytes(saved)
+    clients[idx] = Agent(config)
+
+
+def restored_peer_attack(clients: list, *, target: int = 4) -> float | None:
+    """n = 5, m = 3: client 0's ledger is restored between its two consistency checks.
+
+    S1 (the target survived) is signed and unmasked by {0, 1, target}: the target's seed shares at
+    x = 1, 2, 5. Client 0's ledger goes back to before its check, so it signs S2 (the target dropped)
+    as well, with 2 and 3: the target's masking-key shares at x = 1, 3, 4. Both secrets reconstruct.
+    """
+    coord = Coordinator(clients)
+    s = coord.open("S", range(5), m=3)
+    coord.share(s)
+    coord.mask(s)
+    clients[0].close()  # a backup of client 0's ledger, taken after its masked input left
+    saved = clients[0].config.ledger_path.read_bytes()
+    from client_agent.agent import Agent
+
+    clients[0] = Agent(clients[0].config)
+    coord.clients = clients
+    everyone, others = list(range(5)), [i for i in range(5) if i != target]
+    sigs_1 = {i: coord.check(s, i, everyone, []) for i in (0, 1, target)}
+    answers = {i: coord.unmask(s, i, everyone, [], sigs_1) for i in (0, 1, target)}
+    seeds, _ = revealed_shares(answers, target)
+    restore(clients, 0, saved)
+    coord.clients = clients
+    sigs_2 = {i: coord.check(s, i, others, [target]) for i in (0, 2, 3)}
+    answers_2 = {i: coord.unmask(s, i, others, [target], sigs_2) for i in (0, 2, 3)}
+    _, keys = revealed_shares(answers_2, target)
+    return recover_input(s, target, seed_shares=seeds, key_shares=keys, peers=everyone)
+
+
+def test_7_control_a_restored_peer_lets_the_coordinator_unmask_a_client_alone(tmp_path: Path, no_noise: None) -> None:
+    """Without the high-water mark and with f = 0 (2m > n only), one restored peer is enough."""
+    clients = make_clients(tmp_path, 5)
+    assert restored_peer_attack(clients) == label_count(clients[4])  # the target's exact input
+
+
+def test_7_a_restored_ledger_is_refused_by_its_high_water_mark(tmp_path: Path, no_noise: None) -> None:
+    """The same attack against a client 0 that keeps its mark (a deployed agent's default): refused."""
+    import dataclasses
+
+    from client_agent.agent import Agent
+    from client_agent.high_water import default_path
+    from client_agent.ledger import LedgerError
+
+    clients = make_clients(tmp_path, 5)
+    config = clients[0].config
+    clients[0].close()
+    clients[0] = Agent(dataclasses.replace(config, high_water_path=default_path(config.ledger_path)))
+    with pytest.raises(LedgerError, match="found one rolled back to"):
+        restored_peer_attack(clients)
+
+
+def test_7_the_default_tolerance_refuses_the_roster_the_attack_needs(tmp_path: Path, no_noise: None) -> None:
+    """f = 2 * ceil(2n / 3) - n - 1 = 2 for n = 5: m = 3 fails 2m > n + f; every client refuses step 2."""
+    from client_agent.config import Policy
+
+    assert [Policy().secagg_faults(n) for n in (2, 3, 4, 5, 6, 7, 9, 10)] == [1, 0, 1, 2, 1, 2, 2, 3]
+    clients = make_clients(tmp_path, 5, **{"policy-secagg-tolerance": None})
+    coord = Coordinator(clients)
+    s = coord.open("S", range(5), m=3)
+    for i in range(5):
+        with pytest.raises(Refused, match="policy") as refused:
+            coord.share(s, who=[i])
+        assert refused.value.code == wire.ERR_POLICY
+    s = coord.open("T", range(5), m=4)  # m = ceil(2n / 3): accepted
+    coord.share(s)
+    coord.mask(s)
+    assert coord.honest_finish(s) == sum(label_count(c) for c in clients)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def test_keygen_writes_a_private_key_once_and_prints_its_identity(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     key = tmp_path / "identity.key"
-    assert cli_main(["agent", "keygen", str(key)]) == 0
+    owner = [] if os.geteuid() != 0 else ["--owner", "root"]  # as root the agent's user must be named
+    assert cli_main(["agent", "keygen", str(key), *owner]) == 0
     printed = capsys.readouterr().out
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     public = sa.identity_public_key(load_identity(key))
@@ -42,6 +44,19 @@ def test_keygen_writes_a_private_key_once_and_prints_its_identity(
     with pytest.raises(AgentConfigError, match=r"a file already exists .* refusing to replace a key"):
         write_identity(key)
     assert key.read_bytes() == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the root case: as another user keygen writes the user's own key")
+def test_keygen_as_root_names_the_agents_user_or_says_what_to_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = tmp_path / "identity.key"
+    assert cli_main(["agent", "keygen", str(key)]) != 0
+    assert f"run `fedfilter agent keygen {key} --owner AGENT_USER`" in capsys.readouterr().err
+    assert not key.exists()
+    assert cli_main(["agent", "keygen", str(key), "--owner", "nobody"]) == 0
+    st = key.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (pwd.getpwnam("nobody").pw_uid, 0o600)
 
 
 def test_a_key_readable_by_others_or_malformed_is_refused(tmp_path: Path) -> None:

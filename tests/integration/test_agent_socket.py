@@ -1,0 +1,135 @@
+"""Who may reach the agent's socket, and what a request may cost it in memory (issue 25, items 1 and 3).
+
+The service runs as a real subprocess (``fedfilter agent serve``) on a Unix socket under tmp_path.
+A peer outside ``agent-socket-peers`` is closed unread; a socket more open than 0660, or in a folder
+others can write, never starts; a frame above the policy's bound is refused unread; more than
+``MAX_CONNECTIONS`` requests at once are told "busy". The two-user case (one agent's SuperNode user
+refused at another agent's socket) runs on Flower's deployment engine in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client_agent import local_wire
+from client_agent.client_app import forward, send_frame
+from client_agent.service import MAX_CONNECTIONS, REQUEST_HEADROOM_BYTES
+from protocol import messages as wire
+from tests.integration.test_agent_service import agent_toml, gradient, spent, start, status, stop, wait_for_socket
+
+
+def served_with(tmp_path: Path, **over: object) -> tuple[Path, object]:
+    toml = agent_toml(tmp_path, **over)
+    proc = start(toml)
+    wait_for_socket(proc, tmp_path / "agent.sock")
+    return tmp_path / "agent.sock", proc
+
+
+def test_a_caller_outside_the_socket_peers_is_closed_unread_and_charged_nothing(tmp_path: Path) -> None:
+    other_uid = os.geteuid() + 4242  # not this process's user: this test's own connections are foreign
+    toml = agent_toml(tmp_path, **{"agent-socket-peers": [str(other_uid)]})
+    proc = start(toml)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "agent.sock").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        # Closed before a byte is read: the caller sees the connection end (or reset, having written).
+        with pytest.raises((local_wire.FrameError, ConnectionResetError, BrokenPipeError)):
+            forward(str(tmp_path / "agent.sock"), wire.GRADIENT, *gradient("g1"))
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+    assert f"refused a connection from uid {os.geteuid()}" in out
+    assert not (tmp_path / "ledger.sqlite").exists() or not np.any(spent(tmp_path))
+
+
+def test_the_configured_peer_is_answered(tmp_path: Path) -> None:
+    sock, proc = served_with(tmp_path, **{"agent-socket-peers": [str(os.geteuid())]})
+    try:
+        assert forward(str(sock), wire.GRADIENT, *gradient("g1"))[0] == 0
+    finally:
+        code, out = stop(proc)  # type: ignore[arg-type]
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("mode", ["0666", "0777", "0661", "0670"])
+def test_a_socket_more_open_than_0660_is_refused_at_start(tmp_path: Path, mode: str) -> None:
+    toml = agent_toml(tmp_path)  # written valid, then opened up as a careless operator would
+    toml.write_text(toml.read_text() + f'agent-socket-mode = "{mode}"\n')
+    proc = start(toml)
+    proc.wait(timeout=60)
+    out = proc.stdout.read() if proc.stdout else ""
+    assert proc.returncode == 2, out
+    assert "agent-socket-mode: expected 0660 or stricter" in out and mode in out
+    assert not (tmp_path / "agent.sock").exists()
+
+
+def test_a_socket_folder_others_can_write_is_refused_at_start(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    folder.chmod(0o777)
+    proc = start(agent_toml(tmp_path, **{"agent-socket": str(folder / "agent.sock")}))
+    proc.wait(timeout=60)
+    out = proc.stdout.read() if proc.stdout else ""
+    assert proc.returncode == 2, out
+    assert f"expected its folder {folder} to be writable by its owner only, found mode 0777" in out
+
+
+def raw_connection(sock: Path) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(30)
+    conn.connect(str(sock))
+    return conn
+
+
+def test_a_frame_above_the_policy_bound_is_refused_unread_and_the_agent_goes_on(tmp_path: Path) -> None:
+    params = 1000
+    sock, proc = served_with(tmp_path, **{"policy-max-model-params": params})
+    bound = 4 * params + REQUEST_HEADROOM_BYTES
+    try:
+        with raw_connection(sock) as conn:  # announces 1 GiB and sends none of it
+            conn.sendall(struct.pack(">4sQ", local_wire.MAGIC, 1 << 30))
+            code, reason, _, _ = local_wire.unpack_reply(local_wire.receive(conn, local_wire.MAX_FRAME_BYTES))
+        assert (code, reason) == (wire.ERR_MALFORMED, wire.ERROR_TEXT[wire.ERR_MALFORMED])
+        assert status(sock)["ledger"]["unit"] == "record"  # and the agent still answers
+    finally:
+        code, out = stop(proc)  # type: ignore[arg-type]
+    assert code == 0, out
+    assert f"expected at most {bound} bytes, found {1 << 30} announced" in out
+
+
+def test_requests_beyond_the_connection_bound_are_told_busy_not_buffered(tmp_path: Path) -> None:
+    sock, proc = served_with(tmp_path)
+    stalled = []
+    try:
+        for _ in range(MAX_CONNECTIONS):  # each announces 100 bytes and sends none: a slot held
+            conn = raw_connection(sock)
+            conn.sendall(struct.pack(">4sQ", local_wire.MAGIC, 100))
+            stalled.append(conn)
+        time.sleep(0.5)
+        code, reason, _, _ = send_frame(str(sock), local_wire.pack_request(wire.STATUS, {}, {}), timeout=30)
+        assert (code, reason) == (wire.ERR_UNAVAILABLE, wire.ERROR_TEXT[wire.ERR_UNAVAILABLE])
+        for conn in stalled:
+            conn.close()  # a short frame: refused as malformed, the slot freed
+        stalled.clear()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert status(sock)["ledger"]["unit"] == "record"
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        for conn in stalled:
+            conn.close()
+        code, out = stop(proc)  # type: ignore[arg-type]
+    assert code == 0, out
