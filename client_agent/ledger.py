@@ -446,6 +446,19 @@ class Ledger:
         since = moment.astimezone(UTC).isoformat(timespec="microseconds")
         return int(self._query_one("SELECT COUNT(*) FROM requests WHERE created_at >= ?", (since,))[0])
 
+    def recent(self, limit: int) -> list[dict[str, object]]:
+        """The last ``limit`` requests answered, newest first: seq, time, message type, run id and request id."""
+        conn = self._connection()
+        try:
+            rows = conn.execute(
+                "SELECT seq, created_at, message_type, run_id, request_id FROM requests ORDER BY seq DESC LIMIT ?",
+                (int(limit),),
+            ).fetchall()
+        except sqlite3.Error as exc:
+            raise _corrupt(self._path, exc) from exc
+        keys = ("seq", "created_at", "message_type", "run_id", "request_id")
+        return [dict(zip(keys, row, strict=True)) for row in rows]
+
     def releases(self) -> Iterator[tuple[str, str, Arrays]]:
         """``(request_id, message_type, release)`` in commit order, for replay and verification."""
         conn = self._connection()

@@ -39,6 +39,19 @@ def add_parser(sub: Subparsers) -> None:
         "--owner", default=None, help="the agent's OS user (name or uid), who owns the key; required when run as root"
     )
     keygen.set_defaults(handler=run_keygen)
+    status = asub.add_parser(
+        "status",
+        help="for the owner: what the agent accepts (policy, peers), its ledger's spend and its recent answers",
+        description=(
+            "Reads the agent TOML and its ledger (read-only; safe while the agent serves) and prints the effective "
+            "policy, who may connect to the socket, the ledger's high-water mark, every unit's spend in aggregate "
+            "and the last --recent answered requests. Refusals are in the agent's own log, never in the ledger."
+        ),
+    )
+    status.add_argument("path", type=Path, help="the agent TOML")
+    status.add_argument("--recent", type=int, default=10, help="how many recent answers to list (default 10)")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(handler=run_status)
     check = asub.add_parser("check", help="validate an agent TOML (configuration, data, ledger) before starting")
     check.add_argument("path", type=Path)
     check.set_defaults(handler=run_check)
@@ -107,3 +120,47 @@ def run_check(args: argparse.Namespace) -> int:
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 2 if problems else 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from client_agent.config import parse_agent_config
+    from client_agent.high_water import HighWater
+    from client_agent.ledger import Ledger
+    from client_agent.ledger_report import ledger_summary
+
+    cfg = parse_agent_config({"agent-config": str(args.path)})
+    report: dict[str, object] = {
+        "agent": str(args.path),
+        "target": {"epsilon": cfg.epsilon, "delta": cfg.delta, "filter": cfg.filter, "unit": cfg.unit},
+        "trust": cfg.trust,
+        "socket": None if cfg.socket_path is None else str(cfg.socket_path),
+        "socket_mode": f"{cfg.socket_mode:04o}",
+        "socket_peers": list(cfg.socket_peers) or ["(the service's own user)"],
+        "policy": cfg.policy.describe(),
+        "high_water": None if cfg.high_water_path is None else str(cfg.high_water_path),
+    }
+    if cfg.ledger_path.exists():
+        report["ledger"] = ledger_summary(cfg.ledger_path)
+        with Ledger.open_existing(cfg.ledger_path) as ledger:
+            report["recent_answers"] = ledger.recent(args.recent)
+            if cfg.high_water_path is not None:
+                problem = HighWater(cfg.high_water_path, cfg.ledger_path).check(ledger.mark())
+                report["high_water_check"] = problem or "ok"
+    else:
+        report["ledger"] = f"none yet at {cfg.ledger_path} (created at the first request)"
+    if args.json:
+        print(json.dumps(report, default=str))
+        return 0
+    for key, value in report.items():
+        if key == "recent_answers":
+            print("recent answers (newest first):")
+            for row in value if isinstance(value, list) else []:
+                seq, when, kind = row["seq"], row["created_at"], row["message_type"]
+                print(f"  #{seq} {when} {kind} run {row['run_id']!r} id {row['request_id']!r}")
+        elif isinstance(value, dict):
+            print(f"{key}:")
+            for k, v in value.items():
+                print(f"  {k:<24} {v}")
+        else:
+            print(f"{key:<26} {value}")
+    return 0

@@ -55,6 +55,9 @@ FLOWER_ENV = {
     "FLWR_DISABLE_UPDATE_CHECK": "1",
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # no `uv sync` of the app bundle (no network)
     "PYTHONUNBUFFERED": "1",
+    # No user site folder: a bundle running as the node's user could otherwise plant a .pth file in
+    # ~/.local that the SuperNode's own Python would run at its next start.
+    "PYTHONNOUSERSITE": "1",
 }
 APP_PACKAGES = ("protocol", "workloads", "client_agent", "coordinator")
 ACTIVATION_REFUSED = "Failed to activate SuperNode"
@@ -212,11 +215,15 @@ class LocalDeployment:
         bin_dir: Path | None = None,
         echo: Callable[[str], None] | None = None,
         node_launcher: NodeLauncher | None = None,
+        sandbox_clientapps: bool = True,
     ) -> None:
         self.root = root.resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.bin_dir = (bin_dir or Path(sys.executable).parent).resolve()
         self.node_launcher = node_launcher or NodeLauncher()
+        # False only to show what the shim prevents (the e2e tests' old-layout control): Flower's own
+        # flwr-clientapp, with the SuperNode's FLWR_HOME and no PID namespace.
+        self.sandbox_clientapps = sandbox_clientapps
         self.echo = echo or (lambda _line: None)
         self.services: list[Service] = []
         self.certs: Certificates | None = None
@@ -521,7 +528,8 @@ class LocalDeployment:
             log = self.root / "logs" / f"{name}.log"
             seen = len(log.read_text(errors="replace")) if log.exists() else 0
             env = self.env(home, base=launcher.env, bin_dir=launcher.bin_dir)
-            env["PATH"] = f"{self.clientapp_shim(launcher).parent}{os.pathsep}{env['PATH']}"
+            if self.sandbox_clientapps:
+                env["PATH"] = f"{self.clientapp_shim(launcher).parent}{os.pathsep}{env['PATH']}"
             service = self._spawn(name, argv, home, log, env=env)
             waited_until = time.monotonic() + timeout
             while True:

@@ -77,6 +77,10 @@ from tests.e2e.common import make_parts, snapshot
 
 pytestmark = pytest.mark.flower
 
+# FEDFILTER_E2E_OLD_LAYOUT=1 runs the same scenario on the layout before issue 25 (each agent answers
+# both node users; Flower's own flwr-clientapp, no shim): the isolation tests must then fail (a control,
+# run by hand: `FEDFILTER_E2E_OLD_LAYOUT=1 pytest tests/e2e/test_hostile_bundle.py`).
+OLD_LAYOUT = os.environ.get("FEDFILTER_E2E_OLD_LAYOUT") == "1"
 NODE_UIDS = (64001, 64002)  # one OS user per SuperNode (numeric: nothing is added to /etc/passwd)
 SOCKET_GID = 64000  # the group of the sockets' folder, which both node users are in
 OVERFLOW_GID = (
@@ -208,7 +212,7 @@ while time.time() < end:
     except OSError as exc:
         line += " " + type(exc).__name__
     with open(log, "a") as f:
-        f.write(line + "\\n")
+        f.write(line + chr(10))
     time.sleep(1)
 """
 
@@ -414,7 +418,8 @@ def build_world(root: Path) -> World:
         values["agent-socket"] = str(sockets / f"agent{i}.sock")
         values["agent-socket-mode"] = "0660"
         values["policy-min-noise-std"] = POLICY_MIN_NOISE_STD
-        values["agent-socket-peers"] = [str(NODE_UIDS[i])]  # its own SuperNode's user, nobody else
+        # its own SuperNode's user, nobody else (the old layout: any node user on the host)
+        values["agent-socket-peers"] = [str(u) for u in NODE_UIDS] if OLD_LAYOUT else [str(NODE_UIDS[i])]
         write_agent_toml(toml, values)
         agents.append(Agent(toml, Path(values["data-path"]), Path(values["ledger-path"]), Path(values["agent-socket"])))
     for path in [owner_dir, *owner_dir.rglob("*")]:
@@ -424,7 +429,7 @@ def build_world(root: Path) -> World:
     assert python is not None
     bin_dir = make_node_venv(root / "nodevenv", python)
     launchers = [NodeLauncher(prefix=setpriv(uid), bin_dir=bin_dir, env=NODE_ENV) for uid in NODE_UIDS]
-    dep = LocalDeployment(root / "deploy", node_launcher=launchers[0])
+    dep = LocalDeployment(root / "deploy", node_launcher=launchers[0], sandbox_clientapps=not OLD_LAYOUT)
     return World(root, dep, agents, [], [], [], exfil, launchers)
 
 

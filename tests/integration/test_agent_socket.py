@@ -133,3 +133,31 @@ def test_requests_beyond_the_connection_bound_are_told_busy_not_buffered(tmp_pat
             conn.close()
         code, out = stop(proc)  # type: ignore[arg-type]
     assert code == 0, out
+
+
+def test_agent_status_shows_the_owner_policy_peers_spend_and_recent_answers(tmp_path: Path) -> None:
+    """``fedfilter agent status`` reads the ledger while the agent serves, and names what it accepts."""
+    import json
+    import subprocess
+    import sys
+
+    sock, proc = served_with(tmp_path, **{"agent-socket-peers": [str(os.geteuid())], "policy-max-clip": 4.0})
+    try:
+        for i in range(3):
+            assert forward(str(sock), wire.GRADIENT, *gradient(f"g{i}", rnd=i + 1))[0] == 0
+        out = subprocess.run(
+            [sys.executable, "-m", "simulations.cli", "agent", "status", str(tmp_path / "agent.toml"), "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout
+    finally:
+        code, log = stop(proc)  # type: ignore[arg-type]
+    assert code == 0, log
+    report = json.loads(out)
+    assert report["socket_peers"] == [str(os.geteuid())] and report["socket_mode"] == "0660"
+    assert report["policy"]["max_clip"] == 4.0 and report["policy"]["min_noise_std"] == 1.0
+    assert report["ledger"]["requests_answered"] == 3 and report["ledger"]["spent_max"] > 0
+    assert [r["request_id"] for r in report["recent_answers"]] == ["g2", "g1", "g0"]
+    assert report["high_water_check"] == "ok"

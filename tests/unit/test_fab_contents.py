@@ -118,9 +118,19 @@ def test_work_folder_inside_the_app_is_not_bundled(tmp_path: Path, work: str) ->
         assert needed in names
 
 
+def without_fab_include(app: Path) -> None:
+    """The app's pyproject.toml without its ``fab-include`` list (flwr then bundles every eligible file)."""
+    text = (app / "pyproject.toml").read_text()
+    start = text.index("fab-include = [")
+    end = text.index("]", start) + 1
+    (app / "pyproject.toml").write_text(text[:start] + text[end:])
+
+
 def test_without_the_gitignore_guard_the_work_folder_ships(tmp_path: Path) -> None:
-    """The control: flwr's own excludes do not cover a work folder; only the root .gitignore does."""
+    """The control: flwr's own excludes do not cover a work folder; ``fab-include`` (the first guard,
+    removed here) and the root .gitignore (the second) do."""
     app = copy_app(tmp_path / "fedfilter")
+    without_fab_include(app)
     gitignore = app / ".gitignore"
     gitignore.write_text(
         "".join(line + "\n" for line in gitignore.read_text().splitlines() if line.strip() != "deploy-demo/")
@@ -135,3 +145,26 @@ def test_without_the_gitignore_guard_the_work_folder_ships(tmp_path: Path) -> No
     # Four unpacked copies of three packages: over 3x. A real unpacked bundle is the whole app (~5x per run).
     assert size > 3 * size_before
     assert len(names) > len(names_before)
+
+
+def test_the_bundle_holds_only_the_apps_modules(tmp_path: Path) -> None:
+    """``fab-include`` in pyproject.toml: the ServerApp's packages and the ClientApp proxy, nothing else.
+
+    No simulations/, tests/, benchmarks/ or docs/, and none of the agent's own code: the agent is the
+    owner's service, and a bundle that carried it would only invite running it under the SuperNode.
+    """
+    import tomllib
+
+    names, size = bundle_names(copy_app(tmp_path / "fedfilter"))
+    tops = {n.split("/", 1)[0] for n in names if not n.startswith(".info/")}
+    assert tops == {"pyproject.toml", "protocol", "workloads", "coordinator", "client_agent"}
+    agent_files = sorted(n for n in names if n.startswith("client_agent/"))
+    assert agent_files == ["client_agent/__init__.py", "client_agent/client_app.py", "client_agent/local_wire.py"]
+    # Everything the two apps import is in it (the ServerApp loads the workload registry at run time).
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["components"]
+    for ref in config.values():
+        assert ref.split(":")[0].replace(".", "/") + ".py" in names
+    for package in ("protocol", "workloads", "coordinator"):
+        expected = {p.relative_to(REPO).as_posix() for p in (REPO / package).rglob("*.py")}
+        assert expected <= set(names), sorted(expected - set(names))
+    assert size < 512 * 1024, f"bundle is {size} bytes"

@@ -76,7 +76,10 @@ class AgentTransport:
 
 
 def agents(tmp_path: Path, n: int, **over: Any) -> dict[int, Agent]:
-    return secagg_agents(tmp_path, n, peers=max(8, n), **over)
+    """``n`` agents that accept any m with 2m > n (tolerance f = 0): these tests drop clients down to
+    thresholds below the default m >= ceil(2n/3) on purpose; the default has its own tests (test 7 of
+    test_secagg_attacks.py)."""
+    return secagg_agents(tmp_path, n, peers=max(8, n), **({"policy-secagg-tolerance": 0} | over))
 
 
 def gradient_config(nodes: int, **over: Any) -> CoordinatorConfig:
