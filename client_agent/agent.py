@@ -363,7 +363,8 @@ class Agent:
         if isinstance(request, wire.SecaggSharesRequest):
             n, m = len(request.encryption_keys), request.min_clients
             faults = policy.secagg_faults(n)
-            if 2 * m <= n + faults:
+            # 2m <= n is the protocol's own refusal (sa.Roster.authenticate); the policy adds the band up to n + f.
+            if n < 2 * m <= n + faults:
                 raise PolicyError(
                     f"secagg min_clients {m} of {n} asked; the policy requires 2m > n + f with f = {faults} "
                     "(members that may sign two survivor sets: a restored or cloned agent)"
