@@ -12,19 +12,23 @@ refused. A ledger *ahead* of its mark is the one crash window (committed, mark n
 and is accepted and the mark moved up: the mark only ever moves forward.
 
 The mark is written atomically (a temporary file, fsync, rename, fsync of the folder), owner-only.
-It lives beside the ledger by default (``<ledger>.high-water``); ``ledger-high-water`` in the
-agent TOML puts it elsewhere (beside the identity key, on another disk). Restoring the ledger file
-alone from a backup is then refused; restoring the mark with it is the owner deliberately
-rolling back, which docs/deploy.md tells them not to do.
+It lives beside the ledger by default (``<ledger>.high-water``), which catches the ledger file
+restored alone, replaced or deleted; a snapshot or backup of the whole folder would roll the mark
+back with it, so a deployed agent keeps it where its backups do not reach (``ledger-high-water``:
+another folder or disk; docs/deploy.md §9). Writes are read-compare-write under a lock, so the mark
+never moves back. Restoring the mark with the ledger is the owner deliberately rolling back, which
+docs/deploy.md tells them not to do.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import secrets
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +41,13 @@ class HighWaterError(FedfilterError, RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Mark:
-    """What the mark holds: the ledger's id, its answered requests and its state's sha256."""
+    """What the mark holds: the ledger's id, its answered requests, its state's sha256, and a
+    fingerprint of the request at ``seq`` (so that a ledger *ahead* of the mark must pass through it)."""
 
     ledger_id: str
     seq: int
     state_sha256: str
+    last: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -76,7 +82,7 @@ class HighWater:
             raise HighWaterError(f"high-water mark {self.path}: expected a readable file, found: {exc}") from exc
         try:
             data: Any = json.loads(text)
-            mark = Mark(str(data["ledger_id"]), int(data["seq"]), str(data["state_sha256"]))
+            mark = Mark(str(data["ledger_id"]), int(data["seq"]), str(data["state_sha256"]), str(data.get("last", "")))
         except (ValueError, KeyError, TypeError) as exc:
             raise HighWaterError(
                 f"high-water mark {self.path}: expected JSON with ledger_id, seq and state_sha256, found "
@@ -96,10 +102,20 @@ class HighWater:
                 "unit's budget. Put the ledger back, or, to start a new data set deliberately, remove the mark"
             )
 
-    def check(self, found: Mark) -> str | None:
-        """Why ``found`` (the ledger as opened) is behind or beside the mark, or None when it is not."""
+    def check(self, found: Mark, *, marked: bool = False, request_at: Callable[[int], str] | None = None) -> str | None:
+        """Why ``found`` (the ledger as opened) is behind, beside or off the mark, or None when it is not.
+
+        ``marked``: the ledger records that a mark was kept for it (a missing mark is then a problem);
+        ``request_at(seq)``: the fingerprint of the ledger's request at ``seq`` (a ledger ahead of the
+        mark must hold the mark's last request there: else it is another history, a copy served elsewhere).
+        """
         mark = self.read()
         if mark is None:
+            if marked:
+                return (
+                    f"expected its high-water mark at {self.path} (the ledger records that one was kept), found none: "
+                    "a deleted mark cannot tell a rolled-back ledger"
+                )
             return None
         if found.ledger_id != mark.ledger_id:
             return (
@@ -112,10 +128,41 @@ class HighWater:
                 f"{mark.state_sha256[:16]}...), found one rolled back to {found.seq} requests (state sha256 "
                 f"{found.state_sha256[:16]}...): restored from a backup, a snapshot or a copy"
             )
+        if mark.seq > 0 and mark.last and request_at is not None and request_at(mark.seq) != mark.last:
+            return (
+                f"expected the ledger's request {mark.seq} to be the one the mark recorded, found another: a "
+                "different history (a copy answered elsewhere) put over this ledger"
+            )
         return None
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def advance(self, mark: Mark) -> None:
-        """Write ``mark`` atomically and durably; the caller has committed the state it describes."""
+        """Write ``mark`` atomically and durably; the caller has committed the state it describes.
+
+        Under an exclusive lock, read-compare-write: the mark never moves back (a reader that checked
+        an older state, e.g. ``fedfilter agent check`` beside a serving agent, cannot lower it).
+        """
+        try:
+            with self._locked():
+                current = self.read()
+                if current is not None and current.ledger_id == mark.ledger_id and current.seq > mark.seq:
+                    return
+                self._write(mark)
+        except OSError as exc:
+            raise HighWaterError(
+                f"high-water mark {self.path}: expected to record the commit, found: {exc}; the charge stands "
+                "in the ledger, and the agent refuses to answer until the mark can be written"
+            ) from exc
+
+    def _write(self, mark: Mark) -> None:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}-{secrets.token_hex(4)}")
         try:
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)

@@ -271,6 +271,7 @@ class Ledger:
         self._ledger_id = contents.ledger_id
         self._schema_version = contents.schema_version
         self.foreign_objects = contents.foreign
+        self._marked = contents.marked
         self._state_sha = ""
         self._high_water: HighWater | None = None
 
@@ -337,7 +338,9 @@ class Ledger:
     def _watch(self, high_water: HighWater) -> None:
         """Check the ledger against its high-water mark, bring the mark up to it, and advance it at every commit."""
         found = self.mark()
-        problem = _high_water_call(lambda: high_water.check(found))
+        problem = _high_water_call(
+            lambda: high_water.check(found, marked=self._marked, request_at=self.request_fingerprint)
+        )
         if problem is not None:
             raise LedgerError(
                 f"ledger {self._path}: {problem}; refusing to answer: a rolled-back ledger spends budget twice "
@@ -345,7 +348,23 @@ class Ledger:
             )
         if _high_water_call(high_water.read) != found:
             _high_water_call(lambda: high_water.advance(found))
+        if not self._marked:  # from now on a missing mark is refused (a backup taken later carries this too)
+            try:
+                self._connection().execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('high_water', 'kept')")
+            except sqlite3.Error as exc:
+                raise _corrupt(self._path, exc) from exc
+            self._marked = True
         self._high_water = high_water
+
+    @property
+    def marked(self) -> bool:
+        """Whether the ledger records that a high-water mark is kept for it."""
+        return self._marked
+
+    def request_fingerprint(self, seq: int) -> str:
+        """The high-water mark's fingerprint of the request at ``seq`` ("" when there is none)."""
+        row = self._query_one("SELECT request_id, created_at FROM requests WHERE seq = ?", (int(seq),))
+        return "" if row is None else _fingerprint(str(row[0]), str(row[1]))
 
     def mark(self) -> Mark:
         """The ledger's position: its id, how many requests it has answered and its state's sha256."""
@@ -353,7 +372,7 @@ class Ledger:
         row = self._query_one("SELECT sha256 FROM state WHERE id = 1")
         if row is None:
             raise _corrupt(self._path, "expected one state row, found none")
-        return Mark(self._ledger_id, int(seq), str(row[0]))
+        return Mark(self._ledger_id, int(seq), str(row[0]), self.request_fingerprint(int(seq)) if seq else "")
 
     @classmethod
     def _open_checked(cls, path: Path, *, allow_foreign: bool = False) -> Self:
@@ -549,7 +568,8 @@ class Ledger:
         self._state_sha = state_sha
         if self._high_water is not None:  # committed: the charge stands whatever happens to the mark
             high_water = self._high_water
-            _high_water_call(lambda: high_water.advance(Mark(self._ledger_id, int(seq), state_sha)))
+            mark = Mark(self._ledger_id, int(seq), state_sha, _fingerprint(request_id, created_at))
+            _high_water_call(lambda: high_water.advance(mark))
 
     # ----- lifecycle
 
@@ -623,6 +643,7 @@ class _Contents:
     ledger_id: str
     schema_version: int
     foreign: tuple[str, ...]
+    marked: bool
 
 
 @functools.cache
@@ -676,7 +697,12 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
         raise _corrupt(path, f"expected a state layout of {{name: {{shape, dtype}}}}, found {str(layout)[:200]}")
     # Fixed at creation: the ledger's own id for its high-water mark (a restored copy keeps it).
     ledger_id = _sha256(f"{meta.get('created_at', '')}|{meta['config']}".encode())[:32]
-    return _Contents(config, layout, ledger_id, int(schema_version), foreign)
+    return _Contents(config, layout, ledger_id, int(schema_version), foreign, meta.get("high_water") == "kept")
+
+
+def _fingerprint(request_id: str, created_at: str) -> str:
+    """What the high-water mark records of a request: its id and commit time, hashed."""
+    return _sha256(f"{request_id}|{created_at}".encode())[:32]
 
 
 def _high_water_call(call: Callable[[], _T]) -> _T:

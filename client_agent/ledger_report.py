@@ -77,13 +77,16 @@ def verify_ledger(path: Path, high_water: Path | None = None) -> list[str]:
     with Ledger.open_existing(path, allow_foreign=True) as ledger:
         findings = [f"schema: {name} was not created by fedfilter" for name in ledger.foreign_objects]
         mark_path = high_water if high_water is not None else default_high_water(path)
-        if high_water is not None or mark_path.exists():
+        if high_water is not None or mark_path.exists() or ledger.marked:
             try:
-                rollback = HighWater(mark_path, path).check(ledger.mark())
+                rollback = HighWater(mark_path, path).check(
+                    ledger.mark(), marked=ledger.marked, request_at=ledger.request_fingerprint
+                )
             except HighWaterError as exc:
                 rollback = str(exc)
             if rollback is not None:
-                findings.append(f"high-water mark {mark_path}: {rollback}")
+                where = "" if high_water is not None or mark_path.exists() else " (kept elsewhere? pass --high-water)"
+                findings.append(f"high-water mark {mark_path}: {rollback}{where}")
         return findings + _replay_problems(ledger)
 
 

@@ -19,6 +19,7 @@ import io
 import json
 import socket
 import struct
+import time
 from typing import Any
 
 import numpy as np
@@ -44,38 +45,56 @@ class FrameTooLarge(FrameError):
     """A frame whose announced length is above the receiver's bound: refused before it is read."""
 
 
-def send(sock: socket.socket, frame: bytes) -> None:
-    """Send one length-prefixed frame."""
-    sock.sendall(_PREFIX.pack(MAGIC, len(frame)))
-    sock.sendall(frame)
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("frame: the deadline for the whole frame passed")
+    return left
 
 
-def _read_exactly(sock: socket.socket, view: memoryview) -> None:
+def send(sock: socket.socket, frame: bytes, *, deadline: float | None = None) -> None:
+    """Send one length-prefixed frame; ``deadline`` (``time.monotonic()``) bounds the whole send."""
+    view = memoryview(_PREFIX.pack(MAGIC, len(frame)) + frame) if len(frame) < 65536 else None
+    parts = [view] if view is not None else [memoryview(_PREFIX.pack(MAGIC, len(frame))), memoryview(frame)]
+    for part in parts:
+        sent = 0
+        while sent < len(part):
+            if deadline is not None:  # else the socket's own timeout applies per call
+                sock.settimeout(_remaining(deadline))
+            sent += sock.send(part[sent:])
+
+
+def _read_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view``; a slow sender cannot stretch it past ``deadline`` (a total, not a per-call, limit)."""
     got = 0
     while got < len(view):
+        if deadline is not None:  # else the socket's own timeout applies per call
+            sock.settimeout(_remaining(deadline))
         n = sock.recv_into(view[got:])
         if n == 0:
             raise FrameError(f"frame: expected {len(view)} bytes, found the connection closed after {got}")
         got += n
 
 
-def announced(sock: socket.socket) -> int:
+def announced(sock: socket.socket, *, deadline: float | None = None) -> int:
     """The length the next frame announces (its prefix read, nothing more); FrameError on a bad prefix."""
     prefix = bytearray(_PREFIX.size)
-    _read_exactly(sock, memoryview(prefix))
+    _read_exactly(sock, memoryview(prefix), deadline)
     magic, length = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise FrameError(f"frame: expected the prefix {MAGIC!r}, found {bytes(magic)!r}")
     return int(length)
 
 
-def receive(sock: socket.socket, max_bytes: int) -> bytearray:
+def receive(sock: socket.socket, max_bytes: int, *, deadline: float | None = None) -> bytearray:
     """One frame, read into one buffer of its announced size; above ``max_bytes`` it is never read."""
-    length = announced(sock)
+    length = announced(sock, deadline=deadline)
     if length > max_bytes:
         raise FrameTooLarge(f"frame: expected at most {max_bytes} bytes, found {length} announced")
     buf = bytearray(length)
-    _read_exactly(sock, memoryview(buf))
+    _read_exactly(sock, memoryview(buf), deadline)
     return buf
 
 

@@ -48,6 +48,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,7 +66,8 @@ MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes on Linux, the terminating NUL 
 # Connections being read or answered at once; one more is told "busy" and closed, never buffered.
 # With max_request_bytes each, this bounds what requests can hold in memory (benchmarks/agent_memory.py).
 MAX_CONNECTIONS = 4
-# A caller has this long to send the frame it announced (a slow sender cannot hold a slot for ever).
+# A caller has this long, in all, to send the frame it announced, and again to take the reply: a slow
+# sender or a reader that never reads cannot hold a slot for ever (the charge stands either way).
 READ_TIMEOUT_S = 120.0
 # Beyond the parameters: headers and secagg tables (n x 32-byte keys, 64-byte signatures) for large rosters.
 REQUEST_HEADROOM_BYTES = 16 << 20
@@ -272,16 +274,15 @@ class _Listener:
 
     def _serve_one(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(READ_TIMEOUT_S)
             try:
-                frame: bytes | bytearray | None = local_wire.receive(conn, self.max_bytes)
+                deadline = time.monotonic() + READ_TIMEOUT_S
+                frame: bytes | bytearray | None = local_wire.receive(conn, self.max_bytes, deadline=deadline)
                 reason: Exception | None = None
             except local_wire.FrameError as exc:  # too large, a bad prefix or a short frame
                 frame, reason = None, exc
             reply = self.service.worker.submit(self.service.handle, frame, reason).result()
-            conn.settimeout(None)
             with contextlib.suppress(OSError):  # the caller gave up: the charge stands, a retry gets this reply
-                local_wire.send(conn, reply)
+                local_wire.send(conn, reply, deadline=time.monotonic() + READ_TIMEOUT_S)
         except OSError as exc:
             LOG.warning("connection dropped before its request was read: %s", exc)
         finally:

@@ -89,6 +89,40 @@ def _member(view: memoryview, info: zipfile.ZipInfo, what: str) -> NDArray[Any]:
     return flat.reshape(shape, order="F" if fortran else "C")
 
 
+_EOCD = b"PK\x05\x06"
+_ZIP64_LOCATOR = b"PK\x06\x07"
+_ZIP64_EOCD = b"PK\x06\x06"
+_DIRECTORY_BYTES_PER_MEMBER = 1024  # a central-directory entry: 46 bytes, its name and its zip64 extra
+
+
+def _check_directory(view: memoryview, what: str, max_members: int) -> None:
+    """Refuse an archive whose directory lists too many members *before* ``zipfile`` parses it.
+
+    ``zipfile`` reads the whole central directory first: a frame of a million empty entries would
+    cost seconds and hundreds of MB before any count could be checked.
+    """
+    tail = bytes(view[max(0, len(view) - (1 << 16) - 22) :])
+    at = tail.rfind(_EOCD)
+    if at < 0 or len(tail) - at < 22:
+        raise ArchiveError(f"{what}: expected a zip archive, found no end-of-directory record")
+    entries = int.from_bytes(tail[at + 10 : at + 12], "little")
+    size = int.from_bytes(tail[at + 12 : at + 16], "little")
+    if entries == 0xFFFF or size == 0xFFFFFFFF:  # zip64: the counts live in the zip64 record
+        locator = at - 20
+        if locator < 0 or tail[locator : locator + 4] != _ZIP64_LOCATOR:
+            raise ArchiveError(f"{what}: expected a zip64 locator before the end-of-directory record, found none")
+        offset = int.from_bytes(tail[locator + 8 : locator + 16], "little")
+        record = bytes(view[offset : offset + 56])
+        if len(record) != 56 or record[:4] != _ZIP64_EOCD:
+            raise ArchiveError(f"{what}: expected a zip64 end-of-directory record where the locator says")
+        entries = int.from_bytes(record[32:40], "little")
+        size = int.from_bytes(record[40:48], "little")
+    if entries > max_members or size > max_members * _DIRECTORY_BYTES_PER_MEMBER:
+        raise ArchiveError(
+            f"{what}: expected at most {max_members} members, found a directory of {entries} entries ({size} bytes)"
+        )
+
+
 def load_stored(blob: bytes | bytearray | memoryview, *, what: str, max_members: int) -> dict[str, NDArray[Any]]:
     """The named arrays of a stored ``.npz`` archive, as read-only views of ``blob``; else :class:`ArchiveError`.
 
@@ -97,6 +131,7 @@ def load_stored(blob: bytes | bytearray | memoryview, *, what: str, max_members:
     """
     view = memoryview(blob).toreadonly().cast("B")
     try:
+        _check_directory(view, what, max_members)
         with zipfile.ZipFile(_Reader(view)) as archive:
             infos = archive.infolist()
             if len(infos) > max_members:

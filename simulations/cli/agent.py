@@ -144,7 +144,9 @@ def run_status(args: argparse.Namespace) -> int:
         with Ledger.open_existing(cfg.ledger_path) as ledger:
             report["recent_answers"] = ledger.recent(args.recent)
             if cfg.high_water_path is not None:
-                problem = HighWater(cfg.high_water_path, cfg.ledger_path).check(ledger.mark())
+                problem = HighWater(cfg.high_water_path, cfg.ledger_path).check(
+                    ledger.mark(), marked=ledger.marked, request_at=ledger.request_fingerprint
+                )
                 report["high_water_check"] = problem or "ok"
     else:
         report["ledger"] = f"none yet at {cfg.ledger_path} (created at the first request)"

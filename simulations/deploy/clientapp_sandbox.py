@@ -42,6 +42,9 @@ import time
 from pathlib import Path
 
 ISOLATION_ENV = "FEDFILTER_CLIENTAPP_ISOLATION"
+# After SIGTERM or SIGINT (or the SuperNode's death), the ClientApp has this long to exit; then the
+# whole namespace is killed (a bundle's handler could ignore the signal and never return).
+GRACE_S = 10.0
 EX_CONFIG = 78  # sysexits.h: a configuration error
 UNSHARE = ("--user", "--map-current-user", "--pid", "--fork", "--kill-child")
 # What the ClientApp keeps of the SuperNode's environment (Flower's own variables are kept too).
@@ -112,9 +115,18 @@ def main(argv: list[str] | None = None) -> int:
         preexec_fn=_die_with_parent,  # this wrapper killed: unshare dies, and --kill-child takes the rest
     )
 
+    def kill_later() -> None:
+        try:
+            proc.wait(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            _log(f"the ClientApp did not exit within {GRACE_S:.0f} s of a stop signal; killing its namespace")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # unshare dies, and --kill-child takes PID 1 and the rest
+
     def forward(signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signum)
+        threading.Thread(target=kill_later, daemon=True).start()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)

@@ -161,3 +161,44 @@ def test_agent_status_shows_the_owner_policy_peers_spend_and_recent_answers(tmp_
     assert report["ledger"]["requests_answered"] == 3 and report["ledger"]["spent_max"] > 0
     assert [r["request_id"] for r in report["recent_answers"]] == ["g2", "g1", "g0"]
     assert report["high_water_check"] == "ok"
+
+
+def test_slow_senders_and_readers_that_never_read_cannot_hold_the_agent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read and the reply each have one deadline in all (not per call): four slow callers lose their
+    slots when it passes, and the agent answers again (in-process service, deadline patched to 1.5 s)."""
+    import threading
+
+    from client_agent import service
+    from client_agent.service import load_service_config
+
+    monkeypatch.setattr(service, "READ_TIMEOUT_S", 1.5)
+    config = load_service_config(agent_toml(tmp_path))
+    ready, stop_event = threading.Event(), threading.Event()
+    server = threading.Thread(target=service.serve, args=(config,), kwargs={"ready": ready, "stop": stop_event})
+    server.start()
+    slow = []
+    try:
+        assert ready.wait(60)
+        sock = tmp_path / "agent.sock"
+        for _ in range(MAX_CONNECTIONS):  # each announces 1000 bytes, then trickles one byte at a time
+            conn = raw_connection(sock)
+            conn.sendall(struct.pack(">4sQ", local_wire.MAGIC, 1000))
+            slow.append(conn)
+        busy = send_frame(str(sock), local_wire.pack_request(wire.STATUS, {}, {}), timeout=30)
+        assert busy[0] == wire.ERR_UNAVAILABLE
+        for _ in range(8):  # 2.4 s of trickling: past the 1.5 s deadline for the whole frame
+            for conn in slow:
+                try:
+                    conn.send(b"x")
+                except OSError:
+                    pass
+            time.sleep(0.3)
+        assert status(sock)["ledger"]["unit"] == "record"  # the slots were freed: answered
+    finally:
+        for conn in slow:
+            conn.close()
+        stop_event.set()
+        server.join(timeout=60)
+    assert not server.is_alive()

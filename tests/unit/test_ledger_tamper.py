@@ -243,3 +243,46 @@ def test_every_commit_advances_the_mark_and_a_damaged_mark_is_refused(tmp_path: 
     mark.write_text("{not json")
     with pytest.raises(LedgerError, match="a damaged mark cannot tell a rolled-back ledger"):
         Ledger.open(path, make_config(), high_water=mark)
+
+
+def test_the_mark_never_moves_back(tmp_path: Path) -> None:
+    """A reader that checked an older state (``agent check`` beside a serving agent) cannot lower it."""
+    path = tmp_path / "ledger.sqlite"
+    mark = default_path(path)
+    new_ledger(path, high_water=mark, rounds=1)
+    with Ledger.open(path, make_config(), high_water=mark) as ledger:
+        older = ledger.mark()
+        commit_round(ledger, "req-late")
+        newer = ledger.mark()
+    HighWater(mark, path).advance(older)  # the late writer
+    assert HighWater(mark, path).read() == newer
+
+
+def test_a_deleted_mark_is_refused_once_the_ledger_kept_one(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    backup = tmp_path / "backup.sqlite"
+    new_ledger(path, high_water=default_path(path), rounds=1)
+    shutil.copy(path, backup)  # taken after the mark was first kept: the backup says so too
+    with Ledger.open(path, make_config(), high_water=default_path(path)) as ledger:
+        commit_round(ledger, "req-more")
+    shutil.copy(backup, path)
+    default_path(path).unlink()  # restore the ledger and delete the mark that would refuse it
+    with pytest.raises(LedgerError, match="the ledger records that one was kept"):
+        Ledger.open(path, make_config(), high_water=default_path(path))
+
+
+def test_a_copy_answered_elsewhere_and_put_back_ahead_of_the_mark_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    mark = default_path(path)
+    new_ledger(path, high_water=mark, rounds=1)
+    fork = tmp_path / "elsewhere" / "ledger.sqlite"
+    fork.parent.mkdir()
+    shutil.copy(path, fork)
+    with Ledger.open(path, make_config(), high_water=mark) as ledger:  # here: one more request
+        commit_round(ledger, "req-here")
+    with Ledger.open(fork, make_config()) as ledger:  # there: two other requests, so it is ahead
+        commit_round(ledger, "req-there-1")
+        commit_round(ledger, "req-there-2")
+    shutil.copy(fork, path)
+    with pytest.raises(LedgerError, match="a different history"):
+        Ledger.open(path, make_config(), high_water=mark)
