@@ -40,6 +40,7 @@ from client_agent import local_wire
 from client_agent.service import MAX_CONNECTIONS, REQUEST_HEADROOM_BYTES
 from protocol import messages as wire
 from simulations.deploy.agent_files import write_agent_toml
+from tests.factories import gradient_request
 
 MIB = 1 << 20
 
@@ -113,20 +114,7 @@ def main() -> int:
 
             # The largest allowed frame: a gradient request whose parameters fill the bound.
             fill = (bound - 64 * 1024) // 4
-            config, arrays = wire.encode_request(
-                wire.GradientRequest(
-                    request_id="big",
-                    run_id="r",
-                    round=1,
-                    noise_std=2.0,
-                    l2_clip=1.0,
-                    trust="local",
-                    unit="record",
-                    model="logreg",
-                    model_args='{"in_features": 4, "n_classes": 2}',
-                    parameters=np.zeros(10, np.float32),
-                )
-            )
+            config, arrays = wire.encode_request(gradient_request("big", features=4))
             arrays["parameters"] = np.zeros(fill, np.float32)
             big = local_wire.pack_request(wire.GRADIENT, config, arrays)
             assert len(big) <= bound, (len(big), bound)
@@ -165,7 +153,8 @@ def main() -> int:
                 conn.sendall(struct.pack(">4sQ", local_wire.MAGIC, 1 << 30))
                 code, _, _, _ = local_wire.unpack_reply(local_wire.receive(conn, local_wire.MAX_FRAME_BYTES))
             peak_over = status_kib(proc.pid, "VmHWM") * 1024
-            print(f"1 GiB announced: code {code}, peak {(peak_over - before) / MIB:+.1f} MiB over the RSS before it")
+            rise = max(0.0, (peak_over - before) / MIB)
+            print(f"1 GiB announced: code {code}, peak {rise:.1f} MiB over the RSS before it (refused unread)")
             single = (peak_big - idle) / len(big)
             flood = (peak_flood - idle) / len(big)
         finally:

@@ -552,7 +552,12 @@ def scenario(world: World) -> World:
     world.results["exfil"] = read_exfil(world.exfil)
     world.results["daemons_after_hostile"] = daemon_processes()
     world.results["daemon_logs_after_hostile"] = daemon_log_sizes(world)
-    world.results["honest2"] = dep.run(stage_app(world.root / "app"), run_config("honest2", 1), timeout=300)
+    try:  # (on the old layout the planted code runs here, and may break the run: recorded, not raised)
+        world.results["honest2"] = dep.run(stage_app(world.root / "app"), run_config("honest2", 1), timeout=300)
+    except DeploymentError as exc:
+        world.results["honest2"] = exc
+    planted = world.exfil / "planted.log"
+    world.results["planted_ran"] = planted.read_text() if planted.exists() else ""
     world.results["daemon_logs_after_honest2"] = daemon_log_sizes(world)
     world.results["daemons_after_honest2"] = daemon_processes()
     world.results["after_honest2"] = [snapshot(a.ledger) for a in world.agents]
@@ -722,6 +727,7 @@ def test_each_agent_answers_its_own_supernode_only(scenario: World) -> None:
 def test_code_planted_by_a_bundle_never_runs_in_a_later_run(scenario: World) -> None:
     """The hostile run appended code to every unpacked app it could reach; the next genuine run unpacks
     its bundle afresh in a private FLWR_HOME, so the planted line never runs."""
+    assert scenario.results["planted_ran"] == ""  # the planted line writes here when it runs
     records = [r for r in scenario.results["exfil"] if r["message_type"] == "train.gradient"]
     assert len(records) == N_AGENTS
     homes = {str(k.parent) for k in scenario.keys}
@@ -729,8 +735,8 @@ def test_code_planted_by_a_bundle_never_runs_in_a_later_run(scenario: World) -> 
         assert record["flwr_home"] not in homes  # the ClientApp's FLWR_HOME is a fresh folder, not the node's
         assert any(p.startswith(record["flwr_home"]) for p in record["planted"])  # it planted in its own unpacked app
     honest2 = scenario.results["honest2"]
+    assert isinstance(honest2, dict), honest2
     assert honest2["rounds_completed"] == 1 and honest2["rounds"][0]["replies"] == N_AGENTS
-    assert not (scenario.exfil / "planted.log").exists(), (scenario.exfil / "planted.log").read_text()
 
 
 def test_a_daemon_forked_by_a_bundle_is_gone_when_its_run_ends(scenario: World) -> None:
