@@ -6,7 +6,10 @@ What it does, printing every command it runs (the same as docs/deploy.md):
 3. ``flower-superlink`` with TLS and ``--enable-supernode-auth`` on 127.0.0.1 and a free port;
 4. ``flwr supernode register`` for every agent's public key;
 5. ``fedfilter agent serve <its TOML>`` per agent (the owner's service), and a ``flower-supernode`` per
-   agent with ``--node-config agent-socket="<its socket>"`` (the ClientApp is a proxy to it);
+   agent with ``--node-config agent-socket="<its socket>"`` (the ClientApp is a proxy to it), with
+   fedfilter's ``flwr-clientapp`` shim first on its PATH (each ClientApp in fresh folders and a PID
+   namespace of its own; docs/deploy.md §9). Everything runs as the current user: a try-out, not the
+   per-agent users of §9;
 6. ``flwr run <repo> fedfilter-local -c ... --stream`` (twice with --runs 2: budgets carry over);
 7. each agent's ledger (``fedfilter ledger show``), then every process is stopped.
 
