@@ -46,6 +46,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--records", type=int, default=200, help="records per client (784 features, 10 classes)")
     parser.add_argument("--keep", action="store_true", help="keep the working folder (logs, ledgers, runs)")
+    parser.add_argument(
+        "--no-sandbox",
+        action="store_true",
+        help="Flower's own flwr-clientapp instead of fedfilter's shim (to measure what the shim costs)",
+    )
     args = parser.parse_args()
     for name in ("clients", "rounds", "records"):
         if getattr(args, name) < 1:
@@ -83,7 +88,7 @@ def main() -> None:
     sim_rounds = [float(r["duration_s"]) for r in sim["rounds"]]
 
     # Deployed: SuperLink with TLS and node authentication, one SuperNode per agent, flwr run.
-    with LocalDeployment(root / "deploy") as dep:
+    with LocalDeployment(root / "deploy", sandbox_clientapps=not args.no_sandbox) as dep:
         tomls = write_agent_files(root / "deploy-clients", parts, **AGENT)
         app = stage_app(root / "app")
         started = time.monotonic()
