@@ -168,7 +168,7 @@ def write_shim(bin_dir: Path, python: str) -> Path:
     bin_dir.mkdir(parents=True, exist_ok=True)
     shim = bin_dir / "flwr-clientapp"
     source = Path(__file__).read_text()
-    tmp = shim.with_name(".flwr-clientapp.tmp")
+    tmp = shim.with_name(f".flwr-clientapp.{os.getpid()}.{threading.get_ident()}.tmp")  # concurrent writers
     tmp.write_text(f"#!{python}\n" + source + '\n\nif __name__ == "__main__":\n    raise SystemExit(main())\n')
     tmp.chmod(0o755)
     tmp.replace(shim)

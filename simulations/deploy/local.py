@@ -30,6 +30,7 @@ retries like a service supervisor would.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -39,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -224,6 +226,8 @@ class LocalDeployment:
         # False only to show what the shim prevents (the e2e tests' old-layout control): Flower's own
         # flwr-clientapp, with the SuperNode's FLWR_HOME and no PID namespace.
         self.sandbox_clientapps = sandbox_clientapps
+        self._shim_lock = threading.Lock()
+        self._shims: dict[Path, Path] = {}
         self.echo = echo or (lambda _line: None)
         self.services: list[Service] = []
         self.certs: Certificates | None = None
@@ -474,7 +478,11 @@ class LocalDeployment:
         """
         node_bin = (launcher or self.node_launcher).bin_dir or self.bin_dir
         python = node_bin / "python3" if (node_bin / "python3").exists() else Path(sys.executable)
-        return write_shim(self.root / "node-bin", str(python))
+        with self._shim_lock:  # SuperNodes are started from several threads
+            if python not in self._shims:
+                folder = self.root / "node-bin" / hashlib.sha256(str(python).encode()).hexdigest()[:12]
+                self._shims[python] = write_shim(folder, str(python))
+            return self._shims[python]
 
     def start_agent(
         self,
