@@ -57,8 +57,9 @@ def default_path(ledger_path: Path) -> Path:
     return ledger_path.with_name(ledger_path.name + ".high-water")
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder: so that a rename or link in it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -172,7 +173,7 @@ class HighWater:
             finally:
                 os.close(fd)
             os.replace(tmp, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_path(self.path.parent)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()

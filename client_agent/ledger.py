@@ -41,7 +41,7 @@ from typing import Any, Final, Self, TypeVar
 
 import numpy as np
 
-from client_agent.high_water import HighWater, HighWaterError, Mark
+from client_agent.high_water import HighWater, HighWaterError, Mark, fsync_path
 from protocol.errors import FedfilterError
 from protocol.npz import load_stored
 
@@ -747,23 +747,15 @@ def _create(path: Path, config: LedgerConfig, state: Arrays) -> None:
                 raise LedgerError(f"ledger {tmp}: expected the new ledger to checkpoint, found it busy")
         finally:
             conn.close()
-        _fsync(tmp)
+        fsync_path(tmp)
         try:
             os.link(tmp, path)
         except FileExistsError:
             return  # another process created it first; it is checked on open like any existing ledger
-        _fsync(path.parent)
+        fsync_path(path.parent)
     except sqlite3.Error as exc:
         raise LedgerError(f"ledger {path}: expected to create a new ledger, found: {exc}") from exc
     finally:
         for leftover in (tmp, tmp.with_name(tmp.name + "-wal"), tmp.with_name(tmp.name + "-shm")):
             with contextlib.suppress(FileNotFoundError):
                 leftover.unlink()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
