@@ -33,16 +33,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from client_agent import secagg_client
-from client_agent.config import AgentConfig, AgentConfigError, PolicyError
+from client_agent.config import DEFAULT_FEDERATION, AgentConfig, AgentConfigError, Federation, PolicyError
 from client_agent.identity import load_identity, load_peers
-from client_agent.ledger import Ledger, LedgerConfig, LedgerError
+from client_agent.ledger import FederationLedger, Ledger, LedgerConfig, LedgerError, qualified_id
 from client_agent.records import GaussianRecord, MonitorRecord, RealisationRecord
 from client_agent.state import AgentState
 from client_agent.streaming import Contributions, RowContributions, StreamedGradients, contributions_of
 from protocol import messages as wire
 from protocol import secagg as sa
 from protocol.errors import FedfilterError
-from protocol.filters import Charge, FilterState, charge, clip_scales, partial_clip, remaining
+from protocol.filters import Charge, FilterState, GaussianFilter, charge, clip_scales, partial_clip, remaining
 from protocol.realisation import RealisationFilter, RealisationState, advance, decide, realised_loss
 from workloads.data_sources import materialise
 from workloads.registry import (
@@ -57,6 +57,7 @@ from workloads.registry import (
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
 LOG = logging.getLogger("fedfilter.agent")
+AUDIT = logging.getLogger("fedfilter.agent.audit")
 
 
 class ReplayError(FedfilterError, ValueError):
@@ -200,6 +201,52 @@ def check_monotone(old: AgentState, new: AgentState) -> None:
         raise LedgerError("new state: expected recorded halt rounds to stay as they were, found one changed")
 
 
+def _name_index(workloads: tuple[Workload, ...]) -> tuple[dict[str, Workload], dict[str, Workload]]:
+    """Each model and query name's one workload; a name two workloads register is refused at start."""
+    models: dict[str, Workload] = {}
+    queries: dict[str, Workload] = {}
+    for workload in workloads:
+        for table, names in ((models, workload.models), (queries, workload.queries)):
+            for name in names:
+                if name in table:
+                    what = "model" if table is models else "query"
+                    raise AgentConfigError(
+                        f"workloads: expected each {what} name in one workload, found {name!r} in both "
+                        f"{table[name].name!r} and {workload.name!r} (a request must resolve to exactly one)"
+                    )
+                table[name] = workload
+    return models, queries
+
+
+def quota_filter(filt: GaussianFilter, federation: Federation) -> GaussianFilter:
+    """The filter a federation's own spend runs against: the unit's threshold times its quota."""
+    return replace(filt, threshold=filt.threshold * federation.quota)
+
+
+def charge_with_quota(
+    filt: GaussianFilter,
+    state: FilterState,
+    quota: GaussianFilter,
+    quota_state: FilterState,
+    *,
+    noise_std: float,
+    l2_norms: NDArray[np.float64],
+) -> tuple[Charge, FilterState]:
+    """Price a release against the unit's global filter and its federation's quota: (global charge, quota state).
+
+    A unit is admitted when both admit it (it pays the same cost to both). One its quota refuses offers
+    the global filter nothing (it is stopped for this federation only, and pays nothing anywhere); one the
+    global filter refuses is stopped everywhere and its quota is not charged. The same operations run for
+    every unit, whoever is refused (privacy.md §8).
+    """
+    by_quota = charge(quota, quota_state, noise_std=noise_std, l2_norms=l2_norms)
+    offered = np.where(by_quota.admitted, l2_norms, 0.0)
+    result = charge(filt, state, noise_std=noise_std, l2_norms=offered)
+    spent = np.where(result.admitted, by_quota.state.spent, quota_state.spent)
+    stopped = by_quota.state.stopped | result.state.stopped
+    return result, FilterState(spent=spent, stopped=stopped)
+
+
 class Agent:
     """One client agent: its configuration, data, filter and ledger."""
 
@@ -213,13 +260,23 @@ class Agent:
             index = int(config.device.split(":")[1]) if ":" in config.device else 0
             if not torch.cuda.is_available() or index >= torch.cuda.device_count():
                 raise AgentConfigError(f"device: {config.device!r} asked; torch sees no such CUDA device")
-        self.identity: bytes | None = None
-        self.trusted_peers: frozenset[bytes] | None = None
-        if config.secagg_identity_key is not None and config.secagg_peers is not None:
-            self.identity = load_identity(config.secagg_identity_key)
-            self.trusted_peers = load_peers(config.secagg_peers)
-        # The owner's registry (privacy.md §10): requests name its models and queries, never code.
+        # One identity per federation (privacy.md §11): a key shared by two would let one coordinator reuse
+        # a signature made in the other's session of the same id and roster.
+        self.identities: dict[str, tuple[bytes, frozenset[bytes]]] = {}
+        for fed in config.served:
+            if fed.secagg_identity_key is not None and fed.secagg_peers is not None:
+                self.identities[fed.name] = (load_identity(fed.secagg_identity_key), load_peers(fed.secagg_peers))
+        public = [sa.identity_public_key(key) for key, _ in self.identities.values()]
+        if len(set(public)) != len(public):
+            raise AgentConfigError(
+                "secagg-identity-key: expected one key per federation, found one key in two federations (a "
+                "signature made for one coordinator's session could be replayed in the other's)"
+            )
+        # The owner's registries (privacy.md §10): requests name their models and queries, never code. The
+        # first workload opens the data; every model and query name resolves to exactly one workload.
         self.workload, self.source = open_client_data(config)
+        self.workloads = (self.workload, *(load_workload(ref) for ref in config.extra_workloads))
+        self._by_model, self._by_query = _name_index(self.workloads)
         fingerprint = self.source.fingerprint()
         self.n_units = len(self.source) if config.unit == "record" else 1
         self._arrays: tuple[NDArray[Any], NDArray[Any]] | None = None
@@ -282,29 +339,48 @@ class Agent:
 
     # -- public entry ----------------------------------------------------------------
 
-    def handle(self, message_type: str, config: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> Outcome:
-        """Answer one request; every failure is a typed error and spends nothing."""
+    def handle(
+        self,
+        message_type: str,
+        config: dict[str, Any],
+        arrays: dict[str, NDArray[Any]],
+        federation: str = DEFAULT_FEDERATION,
+    ) -> Outcome:
+        """One request from ``federation`` (the socket it came over); a failure is a typed error and spends nothing.
+
+        Every request, answered or refused, leaves one line in the owner's audit log (:meth:`audit`)."""
+        self._audit_entry: dict[str, Any] = {}
+        outcome = self._handle(message_type, config, arrays, federation)
+        self.audit(message_type, config, federation, outcome)
+        return outcome
+
+    def _handle(
+        self, message_type: str, config: dict[str, Any], arrays: dict[str, NDArray[Any]], federation: str
+    ) -> Outcome:
         try:
             request = wire.decode_request(message_type, config, arrays)
+            fed = self.config.federation(federation)
             if isinstance(request, wire.StatusRequest):
                 if wire.STATUS not in self.config.policy.allowed_kinds:
                     raise PolicyError(f"request kind {wire.STATUS!r} is not allowed by policy-allowed-kinds")
-                return Outcome(*wire.StatusReply(request.request_id, self.status_json(request)).encode())
+                return Outcome(*wire.StatusReply(request.request_id, self.status_json(request, fed)).encode())
             digest = wire.request_digest(message_type, config, arrays)
             # A secure-aggregation step is stored under its session, not its request id: at most once each.
-            stored = self.ledger.lookup(secagg_client.ledger_id(request))
+            # Each federation's ids live in their own namespace: one coordinator cannot replay another's.
+            stored = FederationLedger(self.ledger, fed.name).lookup(secagg_client.ledger_id(request))
             if stored is not None:
                 if stored.digest != digest:
                     raise ReplayError(secagg_client.replay_reason(request))
+                self._audit_entry = {"outcome": "replayed", "reply_bytes": len(stored.reply)}
                 return Outcome(*unpack_reply(stored.reply))
-            self.check_policy(request)
-            return self.answer(request, digest)
+            self.check_policy(request, fed)
+            return self.answer(request, digest, fed)
         except Exception as exc:
             # Nothing left the client: the reply is released only after a successful commit, and
             # the commit is one transaction. A repeat with the same id is answered afresh.
             return refusal(error_code(exc), message_type, config, exc)
 
-    def status_json(self, request: wire.StatusRequest | None = None) -> str:
+    def status_json(self, request: wire.StatusRequest | None = None, federation: Federation | None = None) -> str:
         """Public configuration only: no spend, and no fingerprint of the client's data.
 
         The ledger's ``data_sha256`` stays on the client: a coordinator holding candidate
@@ -317,18 +393,24 @@ class Agent:
         if self.config.noise_seed is not None:
             ledger["params"]["noise"] = "seeded (simulation)"  # the coordinator learns that, not the seed
         description = {"ledger": ledger, "policy": self.config.policy.describe(), "workload": self.workload.describe()}
+        if len(self.workloads) > 1:
+            description["workloads"] = [w.describe() for w in self.workloads]
+        fed = federation or self.config.served[0]
+        description["federation"] = fed.describe()  # the owner's public choice, nothing about the data
         if request is not None and request.model is not None and request.model_args is not None:
+            owner = self._by_model.get(request.model, self.workload)
             description["layout"] = {
                 "model": request.model,
-                "fingerprint": model_layout(self.workload, request.model, request.model_args),
+                "fingerprint": model_layout(owner, request.model, request.model_args),
             }
         return json.dumps(description, sort_keys=True)
 
     # -- policy -----------------------------------------------------------------------
 
-    def check_policy(self, request: wire.Request) -> None:
+    def check_policy(self, request: wire.Request, federation: Federation | None = None) -> None:
         """Refuse what the client's policy or ledger does not allow, naming the limit, the value asked and allowed."""
         policy = self.config.policy
+        fed = federation or self.config.served[0]
         kind = wire.message_type_of(request)
         if kind not in policy.allowed_kinds:
             raise PolicyError(f"request kind {kind!r} is not allowed; allowed kinds: {list(policy.allowed_kinds)}")
@@ -351,6 +433,14 @@ class Agent:
                 )
             if request.l2_clip > policy.max_clip:
                 raise PolicyError(f"l2_clip {request.l2_clip!r} asked; the policy allows at most {policy.max_clip!r}")
+            cap = self.request_cap()
+            cost = (request.l2_clip / request.noise_std) ** 2
+            if cap is not None and not cost <= cap:
+                raise PolicyError(
+                    f"a request costing up to (l2_clip / noise_std)^2 = {cost!r} per unit asked; the policy allows "
+                    f"at most policy-max-request-share = {policy.max_request_share!r} of the budget per request "
+                    f"({cap!r})"
+                )
         if isinstance(request, wire.GradientRequest) and request.local_steps > policy.max_local_steps:
             raise PolicyError(
                 f"local_steps {request.local_steps} asked; the policy allows at most {policy.max_local_steps}"
@@ -380,7 +470,7 @@ class Agent:
             raise PolicyError(
                 f"model size {params.size} parameters asked; the policy allows at most {policy.max_model_params}"
             )
-        used = self.ledger.requests_in_run(request.run_id)
+        used = self.ledger.requests_in_run(request.run_id, fed.name)
         if used >= policy.max_rounds_per_run:
             raise PolicyError(
                 f"round {used + 1} of run {request.run_id!r} asked; the policy allows at most "
@@ -393,6 +483,20 @@ class Agent:
                 f"{policy.max_requests_per_day} per day, whatever the run"
             )
 
+    def request_cap(self) -> float | None:
+        """What one request may cost a unit at most (in S = sum mu^2); None for the realisation filter."""
+        share = self.config.policy.max_request_share
+        if self.gaussian is None or share >= 1.0:  # 1: the budget itself is the only limit (partial clipping)
+            return None
+        return share * self.gaussian.threshold
+
+    def workload_of(self, request: wire.Request) -> Workload:
+        """The workload that registers the request's model (or query); the data's workload for other requests."""
+        if isinstance(request, wire.IndicatorRequest):
+            return self._by_query.get(request.predicate, self.workload)
+        model = getattr(request, "model", None)
+        return self._by_model.get(model, self.workload) if model is not None else self.workload
+
     def check_workload(self, request: wire.Request) -> None:
         """Refuse (as malformed) a model or query name this client's workload does not register, a query
         asked without the model it needs, or a model whose parameter layout is not the coordinator's.
@@ -400,9 +504,10 @@ class Agent:
         Only names and public arguments are read here, never the data: a refusal says nothing about it.
         """
         kind = wire.message_type_of(request)
+        workload = self.workload_of(request)
         if isinstance(request, wire.IndicatorRequest):
             try:
-                query = self.workload.query(request.predicate)
+                query = workload.query(request.predicate)
             except WorkloadError as exc:
                 raise wire.ProtocolError(f"{kind}: query {request.predicate!r}: {exc}") from exc
             if query.needs_model != (request.model is not None):
@@ -419,40 +524,42 @@ class Agent:
 
         try:
             with torch.device("meta"):  # names and shapes only, nothing allocated: model_args may name huge layers
-                built = self.workload.build_model(model, **json.loads(getattr(request, "model_args", None) or "{}"))
+                built = workload.build_model(model, **json.loads(getattr(request, "model_args", None) or "{}"))
         except WorkloadError as exc:
             raise wire.ProtocolError(f"{kind}: model {model!r}: {exc}") from exc
         layout = getattr(request, "layout", None)
         if layout is not None and layout != layout_fingerprint(built):
             raise wire.ProtocolError(
                 f"{kind}: layout: the coordinator's model {model!r} has parameter layout {layout[:16]}..., this "
-                f"client's build of it (workload {self.workload.name!r}) has {layout_fingerprint(built)[:16]}...; "
+                f"client's build of it (workload {workload.name!r}) has {layout_fingerprint(built)[:16]}...; "
                 "expected the same (name, shape, dtype) of every parameter"
             )
 
     # -- answering ------------------------------------------------------------------------
 
-    def answer(self, request: wire.Request, digest: str) -> Outcome:
+    def answer(self, request: wire.Request, digest: str, federation: Federation | None = None) -> Outcome:
+        fed = federation or self.config.served[0]
+        scoped = FederationLedger(self.ledger, fed.name)
         state = AgentState.from_arrays(self.ledger.state())
-        new_state = state
+        quota = self.quota_state(fed.name)
+        new_state, new_quota = state, quota
         if isinstance(request, wire.SecaggKeysRequest):
-            cfg, arrs, release = secagg_client.advertise(request, self._identity())
+            cfg, arrs, release = secagg_client.advertise(request, self._identity(fed))
         elif isinstance(request, wire.SecaggSharesRequest):
-            assert self.trusted_peers is not None
-            cfg, arrs, release = secagg_client.share_keys(self.ledger, request, self._identity(), self.trusted_peers)
+            cfg, arrs, release = secagg_client.share_keys(scoped, request, self._identity(fed), self._peers(fed))
         elif isinstance(request, wire.SecaggCheckRequest):
-            cfg, arrs, release = secagg_client.check(self.ledger, request, self._identity())
+            cfg, arrs, release = secagg_client.check(scoped, request, self._identity(fed))
         elif isinstance(request, wire.SecaggUnmaskRequest):
-            cfg, arrs, release = secagg_client.unmask(self.ledger, request)
+            cfg, arrs, release = secagg_client.unmask(scoped, request)
         elif isinstance(request, wire.MonitorRequest):
-            reply, new_state, release = self.monitor_reply(request, state)
+            reply, new_state, release = self.monitor_reply(request, state, fed, quota, scoped)
             cfg, arrs = reply.encode()
         else:
             assert isinstance(request, (wire.GradientRequest, wire.IndicatorRequest))
             masked = None
             if request.secagg is not None:  # checked before any data is read
                 masked = secagg_client.prepare_masked(
-                    self.ledger,
+                    scoped,
                     request,
                     request.secagg,
                     noise_std=request.noise_std,
@@ -461,7 +568,9 @@ class Agent:
                 )
             rows = self.contributions(request)
             fault_point("after_compute")
-            reply, new_state, release = self.release(request, rows, state, masked=masked)
+            reply, new_state, release, new_quota = self.release(
+                request, rows, state, masked=masked, quota=quota, federation=fed
+            )
             if isinstance(rows, StreamedGradients) and any(rows.nulls.values()):
                 # The owner's own log, never sent: a validity rule that nulls the data learns nothing.
                 LOG.info(
@@ -475,9 +584,13 @@ class Agent:
                 )
             cfg, arrs = reply.encode()
         check_monotone(state, new_state)
+        if quota is not None and new_quota is not None:
+            check_monotone(quota, new_quota)
         blob = pack_reply(cfg, arrs)
         self.ledger.commit(
-            request_id=secagg_client.ledger_id(request),
+            federation=fed.name,
+            quota_state=None if new_quota is None else new_quota.quota_arrays(),
+            request_id=qualified_id(fed.name, secagg_client.ledger_id(request)),
             message_type=wire.message_type_of(request),
             run_id=request.run_id,
             digest=digest,
@@ -486,12 +599,117 @@ class Agent:
             reply=blob,
         )
         fault_point("after_commit")
+        self._audit_entry = self._charged(state, new_state, quota, new_quota, release.to_arrays(), len(blob))
         return Outcome(*unpack_reply(blob))
 
-    def _identity(self) -> bytes:
-        if self.identity is None:  # only in secagg trust, where the configuration requires the key
+    def _charged(
+        self,
+        state: AgentState,
+        new_state: AgentState,
+        quota: AgentState | None,
+        new_quota: AgentState | None,
+        release: dict[str, NDArray[Any]],
+        reply_bytes: int,
+    ) -> dict[str, Any]:
+        """What an answered request cost, for the owner's audit line (never sent anywhere)."""
+        entry: dict[str, Any] = {"outcome": "answered", "reply_bytes": reply_bytes}
+        norms, noise = release.get("l2_norms"), release.get("noise_std")
+        if norms is not None and noise is not None:
+            entry["units_charged"] = int(np.count_nonzero(norms))
+        if self.gaussian is not None and new_state.spent is not None and state.stopped is not None:
+            assert new_state.stopped is not None
+            share = new_state.spent / self.gaussian.threshold
+            entry["spend_share_max"], entry["spend_share_mean"] = float(share.max()), float(share.mean())
+            entry["units_newly_stopped"] = int(np.count_nonzero(new_state.stopped & ~state.stopped))
+            if quota is not None and new_quota is not None:
+                assert quota.stopped is not None and new_quota.stopped is not None
+                entry["units_newly_stopped_for_federation"] = int(np.count_nonzero(new_quota.stopped & ~quota.stopped))
+        elif new_state.loss is not None:
+            entry["loss_max"] = float(np.abs(new_state.loss).max())
+        return entry
+
+    def audit(self, message_type: str, config: dict[str, Any], federation: str, outcome: Outcome) -> None:
+        """One JSON line for the owner: who asked what, at which noise and clip, what it cost, what left.
+
+        Public request fields and aggregate spend only (never the data, never a unit's own value), written
+        to the ``fedfilter.agent.audit`` log and, when the agent has one, appended to its ``audit-log``
+        file; nothing here is sent to the coordinator. ``fedfilter ledger requests`` lists the same from
+        the ledger."""
+        cfg = config if isinstance(config, dict) else {}
+
+        def field(key: str) -> Any:
+            value = cfg.get(key)
+            return value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+
+        line: dict[str, Any] = {
+            "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
+            "federation": federation,
+            "run_id": field("run_id"),
+            "round": field("round"),
+            "request_id": field("request_id"),
+            "kind": message_type,
+            "model": field("model"),
+            "query": field("predicate"),
+            "noise_std": field("noise_std"),
+            "l2_clip": field("l2_clip"),
+        }
+        workload = None
+        if line["model"] is not None:
+            workload = self._by_model.get(str(line["model"]))
+        elif line["query"] is not None:
+            workload = self._by_query.get(str(line["query"]))
+        line["workload"] = workload.name if workload is not None else None
+        if outcome.is_error:
+            line["outcome"] = "refused: " + wire.error_name(outcome.error_code)
+            line["detail"] = outcome.local_detail[:500]
+        else:
+            line.update(self._audit_entry or {"outcome": "answered"})
+        text = json.dumps(line, sort_keys=True, default=str)
+        AUDIT.info("%s", text)
+        path = self.config.audit_log
+        if path is not None:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                try:
+                    os.write(fd, (text + "\n").encode())
+                finally:
+                    os.close(fd)
+            except OSError as exc:  # the ledger holds the record; a full disk must not stop the answer
+                LOG.error("audit-log %s: could not append a line: %s", path, exc)
+
+    def _identity(self, fed: Federation) -> bytes:
+        if fed.name not in self.identities:  # only in secagg trust, where the configuration requires the key
             raise PolicyError("secagg: this agent has no secagg-identity-key; it takes part in no session")
-        return self.identity
+        return self.identities[fed.name][0]
+
+    def _peers(self, fed: Federation) -> frozenset[bytes]:
+        if fed.name not in self.identities:
+            raise PolicyError("secagg: this agent has no secagg-peers; it takes part in no session")
+        return self.identities[fed.name][1]
+
+    @property
+    def identity(self) -> bytes | None:
+        """The first federation's secagg identity (the only one, for an agent of one federation)."""
+        first = self.identities.get(self.config.served[0].name)
+        return None if first is None else first[0]
+
+    @property
+    def trusted_peers(self) -> frozenset[bytes] | None:
+        first = self.identities.get(self.config.served[0].name)
+        return None if first is None else first[1]
+
+    def quota_state(self, federation: str) -> AgentState | None:
+        """``federation``'s own spend, stopped flags and halt rounds (Gaussian filters; fresh before its first one)."""
+        if self.gaussian is None:
+            return None
+        stored = self.ledger.quota_state(federation)
+        if stored is None:
+            return AgentState(
+                halt_round=np.full(self.n_units, -1, dtype=np.int64),
+                spent=np.zeros(self.n_units),
+                stopped=np.zeros(self.n_units, dtype=np.bool_),
+            )
+        return AgentState(halt_round=stored["halt_round"], spent=stored["spent"], stopped=stored["stopped"])
 
     def rng(self, request: wire.Request) -> np.random.Generator:
         """Noise source: OS entropy, or (simulations and tests) a seed mixed with the request's ledger id.
@@ -540,7 +758,14 @@ class Agent:
         state: AgentState,
         *,
         masked: secagg_client.MaskedContext | None = None,
-    ) -> tuple[wire.ContributionReply | wire.MaskedInputReply, AgentState, GaussianRecord | RealisationRecord]:
+        quota: AgentState | None = None,
+        federation: Federation | None = None,
+    ) -> tuple[
+        wire.ContributionReply | wire.MaskedInputReply,
+        AgentState,
+        GaussianRecord | RealisationRecord,
+        AgentState | None,
+    ]:
         """Clip, price, noise: the reply, the new filter state and the release record.
 
         ``contributions`` is this request's own (from :meth:`contributions`; a float32 (n, d) array
@@ -557,7 +782,13 @@ class Agent:
         sqrt(d) / 2^k (protocol.secagg.rounding_slack): it pays (||v|| + slack)^2 / sigma^2 against
         the total noise sigma, which every sum of >= m inputs carries. Its clip is
         min(C, sigma sqrt(T - S) - slack), so that the last, partial round still fits the remainder.
+
+        ``quota`` (Gaussian filters): the federation's own spend, stopped flags and halt rounds before
+        this request; a unit's bound is also within its quota's remainder and the per-request cap, it is
+        admitted only when both its global filter and its quota admit it (:func:`charge_with_quota`), and
+        the federation's new state is returned last (None for the realisation filter).
         """
+        fed = federation or self.config.served[0]
         sigma, clip = request.noise_std, request.l2_clip
         units = contributions_of(contributions)
         if units.n_units != self.n_units:
@@ -573,35 +804,61 @@ class Agent:
         release: GaussianRecord | RealisationRecord
         if self.gaussian is not None:
             fstate = state.filter_state()
-            bounds = partial_clip(self.gaussian, fstate, noise_std=sigma, l2_clip=clip)
+            if quota is None:
+                quota = self.quota_state(fed.name)
+                assert quota is not None
+            qfilter = quota_filter(self.gaussian, fed)
+            qstate = quota.filter_state()
+            cap = self.request_cap()
+            # Each unit's bound: within its global remainder, its quota's remainder and the per-request cap,
+            # all fixed before any of this request's data is read (every operation runs for every unit).
+            bounds = np.minimum(
+                partial_clip(self.gaussian, fstate, noise_std=sigma, l2_clip=clip),
+                partial_clip(qfilter, qstate, noise_std=sigma, l2_clip=clip),
+            )
+            if cap is not None:
+                np.minimum(bounds, sigma * np.sqrt(cap), out=bounds)
             # secagg: a unit whose room sigma sqrt(T - S) is at most the rounding slack cannot pay
             # for any masked input again; it stops now (it would otherwise neither take part nor stop).
-            room = sigma * np.sqrt(remaining(self.gaussian, fstate)) - slack
-            starved = (room <= 0.0) & ~fstate.stopped if slack else np.zeros(self.n_units, dtype=np.bool_)
+            room = sigma * np.sqrt(np.minimum(remaining(self.gaussian, fstate), remaining(qfilter, qstate))) - slack
+            gone = fstate.stopped | qstate.stopped
+            starved = (room <= 0.0) & ~gone if slack else np.zeros(self.n_units, dtype=np.bool_)
             bounds = np.minimum(bounds, np.maximum(room, 0.0)) if slack else bounds
             if isinstance(units, StreamedGradients):
-                result, clipped_norms, total = self._fused_gaussian(units, fstate, bounds / margin, sigma, slack)
+                result, new_q, clipped_norms, total = self._fused_gaussian(
+                    units, fstate, qfilter, qstate, bounds / margin, sigma, slack
+                )
             else:
                 norms = units.norms()
                 finite = np.isfinite(norms)
                 scales = clip_scales(np.where(finite, norms, 0.0), bounds / margin, dtype_eps=FLOAT32_EPS) * finite
                 clipped_norms = _with_slack(units.scale(scales), slack)
-                result = charge(self.gaussian, fstate, noise_std=sigma, l2_norms=clipped_norms)
+                result, new_q = charge_with_quota(
+                    self.gaussian, fstate, qfilter, qstate, noise_std=sigma, l2_norms=clipped_norms
+                )
                 total = units.weighted_sum(result.admitted)
             record = result.release(kind=kind, round_id=request.request_id, noise_std=sigma, l2_norms=clipped_norms)
-            stopped = np.array(result.state.stopped | starved)
+            # A starved unit stops for this federation; globally only when its global room is what starved it.
+            starved_global = starved & (sigma * np.sqrt(remaining(self.gaussian, fstate)) - slack <= 0.0)
+            stopped = np.array(result.state.stopped | starved_global)
             newly = stopped & ~fstate.stopped
             new_state = replace(state, spent=np.array(result.state.spent), stopped=stopped)
+            q_stopped = np.array(new_q.stopped | starved | stopped)
+            q_halt = np.array(quota.halt_round)
+            q_halt[q_stopped & ~qstate.stopped & (q_halt < 0)] = request.round
+            new_quota: AgentState | None = replace(
+                quota, spent=np.array(new_q.spent), stopped=q_stopped, halt_round=q_halt
+            )
             release = GaussianRecord(
                 kind,
                 sigma,
                 record.l2_norms,
                 # A starved unit is recorded as stopped by this release, as a refusal is, so that
                 # replaying the ledger (protocol.filters.rebuild) stops it at the same round.
-                np.asarray(record.refused) | starved,
+                np.asarray(record.refused) | starved_global,
                 shares,
             )
-            active_after = ~stopped
+            active_after = ~q_stopped
             noise = self.rng(request).normal(0.0, sigma, units.dim) if self.config.trust == "local" else None
             if noise is not None and isinstance(units, StreamedGradients):
                 noise = np.where(units.trainable, noise, 0.0)  # frozen entries are not released: exact zeros
@@ -637,11 +894,12 @@ class Agent:
                 shares,
             )
             active_after = after.accepting
+            new_quota = None
         halt = np.array(state.halt_round)
         halt[newly & (halt < 0)] = request.round
         new_state = replace(new_state, halt_round=halt)
         if masked is not None:
-            return secagg_client.masked_reply(masked, total, self.rng(request)), new_state, release
+            return secagg_client.masked_reply(masked, total, self.rng(request)), new_state, release, new_quota
         if noise is not None:
             total = total + noise
         trust = self.config.trust
@@ -657,26 +915,28 @@ class Agent:
                 sigma if noise is not None else 0.0,
                 total.astype(np.float32),
             )
-        return reply, new_state, release
+        return reply, new_state, release, new_quota
 
     def _fused_gaussian(
         self,
         units: StreamedGradients,
         fstate: FilterState,
+        qfilter: GaussianFilter,
+        qstate: FilterState,
         clip_to: NDArray[np.float64],
         sigma: float,
         slack: float,
-    ) -> tuple[Charge, NDArray[np.float64], NDArray[np.float64]]:
-        """Streamed record gradients in one fused pass: (the charge, the charged norms, the clipped, admitted sum).
+    ) -> tuple[Charge, FilterState, NDArray[np.float64], NDArray[np.float64]]:
+        """Streamed record gradients in one fused pass: (the charge, the quota's state, the charged norms, the sum).
 
         A unit's weight (clip scale x admitted) depends only on its own norm and its own state
-        before this request: its bound ``clip_to`` is fixed before the pass, and :func:`charge`
-        admits each unit from its own spend, stopped flag and charged norm. So the engine asks
-        ``weights`` chunk by chunk, with :func:`charge` itself over that chunk's units, and the sum
-        is formed in the same pass as the norms (client_agent/streaming.py). The charge over all
-        units is then computed from all norms as in the two-pass path, and must have admitted and
-        scaled exactly as the weights did; else nothing is released. Every unit, stopped or not,
-        gets the same operations (privacy.md §8).
+        before this request (global and its federation's quota): its bound ``clip_to`` is fixed before
+        the pass, and :func:`charge_with_quota` admits each unit from its own spends, stopped flags and
+        charged norm. So the engine asks ``weights`` chunk by chunk, with that charge over the chunk's
+        units, and the sum is formed in the same pass as the norms (client_agent/streaming.py). The
+        charge over all units is then computed from all norms as in the two-pass path, and must have
+        admitted and scaled exactly as the weights did; else nothing is released. Every unit, stopped
+        or not, gets the same operations (privacy.md §8).
         """
         assert self.gaussian is not None
         gaussian = self.gaussian
@@ -691,22 +951,28 @@ class Agent:
             hi = lo + norms.size
             scales = scales_of(norms, lo)
             part = FilterState(spent=fstate.spent[lo:hi], stopped=fstate.stopped[lo:hi])
+            qpart = FilterState(spent=qstate.spent[lo:hi], stopped=qstate.stopped[lo:hi])
             charged = _with_slack(units.charged_norms(norms, scales), slack)
-            admitted = charge(gaussian, part, noise_std=sigma, l2_norms=charged).admitted
-            used[lo:hi] = scales * admitted
+            result, _ = charge_with_quota(gaussian, part, qfilter, qpart, noise_std=sigma, l2_norms=charged)
+            used[lo:hi] = scales * result.admitted
             return used[lo:hi]
 
         # A stopped unit enters as the null element before the forward (privacy.md §2, §8).
-        total = units.clipped_sum(weights, keep=~fstate.stopped)
+        total = units.clipped_sum(weights, keep=~(fstate.stopped | qstate.stopped))
         scales = scales_of(units.norms(), 0)
         clipped_norms = _with_slack(units.scale(scales), slack)
-        result = charge(gaussian, fstate, noise_std=sigma, l2_norms=clipped_norms)
+        result, new_q = charge_with_quota(gaussian, fstate, qfilter, qstate, noise_std=sigma, l2_norms=clipped_norms)
         if not np.array_equal(used, scales * result.admitted):
             raise RuntimeError("fused release: the weights summed are not the scales and admissions charged")
-        return result, clipped_norms, total
+        return result, new_q, clipped_norms, total
 
     def monitor_reply(
-        self, request: wire.MonitorRequest, state: AgentState
+        self,
+        request: wire.MonitorRequest,
+        state: AgentState,
+        federation: Federation | None = None,
+        quota: AgentState | None = None,
+        scoped: FederationLedger | None = None,
     ) -> tuple[wire.ContributionReply | wire.MaskedInputReply, AgentState, MonitorRecord]:
         """The monitor's report for round t (privacy.md §7); its cost was reserved at enrolment.
 
@@ -719,14 +985,21 @@ class Agent:
         so that the sum over >= m clients carries the node noise noise_std^2 the reservation prices.
         """
         monitor = self.config.monitor
-        if monitor.kind == "none":
-            raise PolicyError("monitor queries are not allowed: this client reserved no monitor cost at enrolment")
+        fed = federation or self.config.served[0]
+        if monitor.kind == "none" or not fed.monitor:
+            raise PolicyError(
+                "monitor queries are not allowed: this client reserved no monitor cost at enrolment"
+                + ("" if monitor.kind == "none" else f" for federation {fed.name!r}")
+            )
+        # The federation's own view (its quota's stops and halt rounds) when it has one; the monitor
+        # counts the units that stopped *for this federation*, once each (privacy.md §7, §11).
+        view = quota if quota is not None else state
         t = request.round
         last = state.monitor_last
         if t <= last:
             raise PolicyError(f"monitor round {t} asked; rounds up to {last} were already reported (once each)")
         new_state = replace(state, monitor_last=t)
-        active = state.active
+        active = view.active
         if monitor.kind == "svt":
             # The reservation covers one sparse vector: the first run that asks owns it. A second
             # run would start a second SVT on the same units, an unreserved release.
@@ -754,9 +1027,14 @@ class Agent:
                     f">= {monitor.noise_std!r}"
                 )
             masked = secagg_client.prepare_masked(
-                self.ledger, request, request.secagg, noise_std=noise_std, n_units=self.n_units, l2_clip=1.0
+                scoped or FederationLedger(self.ledger, fed.name),
+                request,
+                request.secagg,
+                noise_std=noise_std,
+                n_units=self.n_units,
+                l2_clip=1.0,
             )
-        halt = state.halt_round
+        halt = view.halt_round
         counts = np.zeros(monitor.levels)
         for level in range(monitor.levels):
             width = 1 << level

@@ -28,6 +28,9 @@ from workloads.registry import BUILTIN_REF
 
 AGENT_FILTERS: tuple[str, ...] = (*FILTER_KINDS, "realisation")
 DEFAULT_MIN_NOISE_STD = 1e-6
+DEFAULT_MAX_REQUEST_SHARE = 0.25
+DEFAULT_FEDERATION = "default"
+_FEDERATION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 
 
 class PolicyError(FedfilterError, ValueError):
@@ -74,6 +77,11 @@ class Policy:
     # take. The coordinator chooses the model and its arguments; the agent sizes its chunks to this
     # budget (measured on the meta device) and refuses a model whose single record exceeds it.
     max_activation_mb: int = 2048
+    # The most one request may cost any unit, as a share of its budget (the filter's threshold T in its
+    # additive currency S = sum mu^2): a request with (l2_clip / noise_std)^2 > share * T is refused
+    # unanswered. Without it one request with noise 1e-6 and no clip limit spends every unit's whole
+    # budget at once (a drain, correctly charged, but a drain). 1.0 switches the cap off.
+    max_request_share: float = DEFAULT_MAX_REQUEST_SHARE
 
     def __post_init__(self) -> None:
         # A NaN limit would compare False with everything and silently switch the limit off.
@@ -87,6 +95,11 @@ class Policy:
             raise AgentConfigError(
                 f"policy-min-noise-std: expected a number > 0 (a floor that keeps every cost finite), "
                 f"got {self.min_noise_std!r}"
+            )
+        if not (math.isfinite(self.max_request_share) and 0 < self.max_request_share <= 1):
+            raise AgentConfigError(
+                "policy-max-request-share: expected a share of the budget in (0, 1] (what one request may cost a "
+                f"unit at most; 1: no cap beyond the budget itself), got {self.max_request_share!r}"
             )
         if math.isnan(self.max_clip) or self.max_clip <= 0:
             raise AgentConfigError(f"policy-max-clip: expected a number > 0 (inf for no limit), got {self.max_clip!r}")
@@ -125,6 +138,7 @@ class Policy:
             "min_secagg_scale_bits": self.min_secagg_scale_bits,
             "max_local_steps": self.max_local_steps,
             "max_activation_mb": self.max_activation_mb,
+            "max_request_share": self.max_request_share,
         }
 
 
@@ -165,6 +179,55 @@ class MonitorReservation:
 
 
 @dataclass(frozen=True)
+class Federation:
+    """One coordinator this agent serves, on its own socket, drawing on every unit's budget up to a quota.
+
+    Every federation's releases charge the same per-unit filter (one global budget per person,
+    privacy.md §11); ``quota`` is the share of each unit's budget (the filter's threshold in its additive
+    currency S = sum mu^2) that this federation's releases may take in all. A unit stops for a
+    federation when its quota or the global budget is spent, whichever comes first. ``monitor``: this
+    federation may use the active-set monitor the agent reserved at enrolment (at most one federation
+    may: the reservation covers one halt event per unit). The socket, its peers and the secagg identity
+    are the federation's own.
+    """
+
+    name: str
+    quota: float = 1.0
+    socket_path: Path | None = None
+    socket_mode: int = 0o660
+    socket_peers: tuple[str, ...] = ()
+    monitor: bool = False
+    secagg_identity_key: Path | None = None
+    secagg_peers: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _FEDERATION_NAME.match(self.name):
+            raise AgentConfigError(
+                f"federations: expected a name of 1-64 letters, digits, '_', '.' or '-' (first a letter or digit), "
+                f"got {self.name!r}"
+            )
+        if isinstance(self.quota, bool) or not isinstance(self.quota, (int, float)):
+            raise AgentConfigError(f"federations.{self.name}.quota: expected a number in (0, 1], got {self.quota!r}")
+        if not (math.isfinite(self.quota) and 0 < self.quota <= 1):
+            raise AgentConfigError(
+                f"federations.{self.name}.quota: expected a share of every unit's budget in (0, 1], got {self.quota!r}"
+            )
+        if not 0 <= self.socket_mode <= 0o777 or self.socket_mode & ~0o660:
+            raise AgentConfigError(
+                f"federations.{self.name}: agent-socket-mode: expected 0660 or stricter (read and write for the "
+                f"owner and the group, nothing for others), got {self.socket_mode:04o}"
+            )
+        if self.socket_path is not None and not self.socket_path.is_absolute():
+            raise AgentConfigError(
+                f"federations.{self.name}.socket: expected an absolute path (or a path relative to the agent TOML "
+                f"file), got {str(self.socket_path)!r}"
+            )
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "quota": self.quota, "monitor": self.monitor}
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """Everything the agent needs before its first request."""
 
@@ -199,14 +262,60 @@ class AgentConfig:
     # `fedfilter agent serve` only: the OS users (names or uids) whose processes may connect to the
     # socket (checked with SO_PEERCRED on every connection); empty: the service's own user only.
     socket_peers: tuple[str, ...] = ()
+    # Further workloads on the same records (``workloads``, after ``workload``): every model and query
+    # name must resolve to exactly one of them; all of them charge the same per-unit filter.
+    extra_workloads: tuple[str, ...] = ()
+    # The owner's audit log: one JSON line per request answered or refused (never sent anywhere). Deployed
+    # agents keep one by default (``<ledger>.audit.jsonl``); None: the log records only (simulations).
+    audit_log: Path | None = None
+    # The coordinators this agent serves ([federations.NAME] tables); empty: one, named "default", with
+    # the top-level socket, peers and secagg identity, quota 1 and the agent's monitor.
+    federations: tuple[Federation, ...] = ()
+
+    @property
+    def served(self) -> tuple[Federation, ...]:
+        """The federations this agent answers: the configured ones, or the one implicit ``default``."""
+        if self.federations:
+            return self.federations
+        return (
+            Federation(
+                DEFAULT_FEDERATION,
+                1.0,
+                self.socket_path,
+                self.socket_mode,
+                self.socket_peers,
+                monitor=True,
+                secagg_identity_key=self.secagg_identity_key,
+                secagg_peers=self.secagg_peers,
+            ),
+        )
+
+    def federation(self, name: str) -> Federation:
+        """The served federation called ``name`` (an unknown name is a configuration error, never a default)."""
+        for fed in self.served:
+            if fed.name == name:
+                return fed
+        raise AgentConfigError(
+            f"federation: expected one of {[f.name for f in self.served]} (this agent's federations), got {name!r}"
+        )
+
+    @property
+    def workload_refs(self) -> tuple[str, ...]:
+        """Every workload, the one that opens the data first."""
+        return (self.workload, *self.extra_workloads)
 
     def __post_init__(self) -> None:
-        if self.trust == "secagg" and (self.secagg_identity_key is None or self.secagg_peers is None):
-            raise AgentConfigError(
-                "secagg-identity-key and secagg-peers: expected both in secagg trust (this agent's signing key and "
-                "its trusted peers' identity keys; `fedfilter agent keygen` writes a key), found "
-                f"{'neither' if self.secagg_identity_key is None and self.secagg_peers is None else 'one'}"
-            )
+        self._check_federations()
+        if self.trust == "secagg":
+            for fed in self.served:
+                if fed.secagg_identity_key is None or fed.secagg_peers is None:
+                    where = "" if fed.name == DEFAULT_FEDERATION else f"federations.{fed.name}: "
+                    raise AgentConfigError(
+                        f"{where}secagg-identity-key and secagg-peers: expected both in secagg trust (this agent's "
+                        "signing key and its trusted peers' identity keys; `fedfilter agent keygen` writes a key), "
+                        "found "
+                        f"{'neither' if fed.secagg_identity_key is None and fed.secagg_peers is None else 'one'}"
+                    )
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
             raise AgentConfigError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         try:
@@ -274,6 +383,35 @@ class AgentConfig:
                 f"monitor-epsilon: expected 0 < epsilon_svt < epsilon = {self.epsilon}, got {self.monitor.epsilon_svt}"
             )
 
+    def _check_federations(self) -> None:
+        names = [fed.name for fed in self.federations]
+        if len(set(names)) != len(names):
+            raise AgentConfigError(f"federations: expected distinct names, got {names}")
+        if self.federations and (
+            self.socket_path is not None or self.socket_peers or self.secagg_identity_key or self.secagg_peers
+        ):
+            # secagg: one identity per federation. A key shared by two federations would let one coordinator
+            # reuse a signature made for the other's session of the same id and roster (a second survivor set).
+            raise AgentConfigError(
+                "agent-socket / agent-socket-peers / secagg-identity-key / secagg-peers: expected them inside each "
+                "[federations.NAME] table (socket, socket-peers, secagg-identity-key, secagg-peers) when "
+                "federations are configured, found them at the top level too"
+            )
+        sockets = [fed.socket_path for fed in self.federations if fed.socket_path is not None]
+        if len(set(sockets)) != len(sockets):
+            raise AgentConfigError("federations: expected one socket per federation, found a socket shared by two")
+        with_monitor = [fed.name for fed in self.served if fed.monitor]
+        if len(with_monitor) > 1:
+            raise AgentConfigError(
+                f"federations: the agent's monitor reservation covers one halt event per unit, so at most one "
+                f"federation may use it; found monitor = true in {with_monitor}"
+            )
+        if self.filter == "realisation" and (len(self.served) > 1 or self.served[0].quota < 1):
+            raise AgentConfigError(
+                "federations: the realisation filter serves one federation with quota 1 (its realised losses are "
+                f"not split by quota yet), got {[f.describe() for f in self.served]}"
+            )
+
     def gaussian_filter(self) -> GaussianFilter:
         """The unit filter with the monitor's cost reserved (privacy.md §7)."""
         epsilon = self.epsilon - (self.monitor.epsilon_svt if self.monitor.kind == "svt" else 0.0)
@@ -328,6 +466,10 @@ _KEYS = {
     "policy-secagg-min-scale-bits",
     "policy-max-local-steps",
     "policy-max-activation-mb",
+    "policy-max-request-share",
+    "workloads",
+    "federations",
+    "audit-log",
     "noise-seed",
     "agent-socket",
     "agent-socket-mode",
@@ -391,12 +533,17 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
             "data-path",
             "ledger-path",
             "ledger-high-water",
+            "audit-log",
             "agent-socket",
             "secagg-identity-key",
             "secagg-peers",
         ):
             if isinstance(loaded.get(key), str) and not Path(loaded[key]).is_absolute():
                 loaded[key] = str(path.resolve().parent / loaded[key])
+        for table in (loaded.get("federations") or {}).values():
+            for key in ("socket", "secagg-identity-key", "secagg-peers"):
+                if isinstance(table, dict) and isinstance(table.get(key), str) and not Path(table[key]).is_absolute():
+                    table[key] = str(path.resolve().parent / table[key])
         raw = {**loaded, **raw}
     unknown = sorted(set(raw) - _KEYS - _FLOWER_KEYS)
     if unknown:
@@ -416,6 +563,7 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         min_secagg_scale_bits=_get(raw, "policy-secagg-min-scale-bits", int, default.min_secagg_scale_bits),
         max_local_steps=_get(raw, "policy-max-local-steps", int, default.max_local_steps),
         max_activation_mb=_get(raw, "policy-max-activation-mb", int, default.max_activation_mb),
+        max_request_share=_get(raw, "policy-max-request-share", float, default.max_request_share),
     )
     if not 1 <= policy.min_secagg_scale_bits <= 52:
         raise AgentConfigError(
@@ -443,7 +591,7 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         )
     if seed is not None:
         integer("noise-seed", seed, at_least=0, error=AgentConfigError)
-    return AgentConfig(
+    config = AgentConfig(
         ledger_path=Path(_get(raw, "ledger-path", str)),
         data_path=Path(_get(raw, "data-path", str)),
         epsilon=_get(raw, "epsilon", float),
@@ -464,7 +612,83 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         device=_get(raw, "device", str, "cpu"),
         high_water_path=_high_water(raw, simulation),
         socket_peers=_socket_peers(raw),
+        extra_workloads=_extra_workloads(raw),
+        federations=_federations(raw),
+        audit_log=_audit_log(raw, simulation),
     )
+    if not simulation:
+        # A deployed agent's owner states the two limits that bound what one request can cost (privacy.md
+        # §11): the defaults (noise floor 1e-6, no clip limit) suit simulations, not somebody's data.
+        missing = [key for key in ("policy-min-noise-std", "policy-max-clip") if key not in raw]
+        if missing:
+            raise AgentConfigError(
+                f"{' and '.join(missing)}: expected explicit values in a deployed agent's configuration (the "
+                "smallest noise std and the largest L2 clip this agent answers; together with "
+                "policy-max-request-share they bound what one request can cost), found none"
+            )
+    return config
+
+
+def _audit_log(raw: Mapping[str, Any], simulation: bool) -> Path | None:
+    """``audit-log``: where the owner's audit lines go; by default beside the ledger, except in simulations."""
+    if "audit-log" in raw:
+        text = _get(raw, "audit-log", str)
+        if not Path(text).is_absolute():
+            raise AgentConfigError(f"audit-log: expected an absolute path, got {text!r}")
+        return Path(text)
+    if simulation:
+        return None
+    ledger = Path(_get(raw, "ledger-path", str))
+    return ledger.with_name(ledger.name + ".audit.jsonl")
+
+
+def _extra_workloads(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """``workloads``: further workload references on the same data (``workload`` opens the data)."""
+    value = raw.get("workloads", [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise AgentConfigError(
+            f"workloads: expected a list of 'package.module:object' or entry point names, got {value!r}"
+        )
+    refs = [v.strip() for v in value]
+    first = _get(raw, "workload", str, BUILTIN_REF)
+    if len(set(refs)) != len(refs) or first in refs:
+        raise AgentConfigError(f"workloads: expected each workload once (with workload = {first!r}), got {refs}")
+    return tuple(refs)
+
+
+_FEDERATION_KEYS = {"socket", "socket-mode", "socket-peers", "quota", "monitor", "secagg-identity-key", "secagg-peers"}
+
+
+def _federations(raw: Mapping[str, Any]) -> tuple[Federation, ...]:
+    """``[federations.NAME]`` tables: socket, socket-peers, socket-mode, quota, monitor, secagg keys."""
+    tables = raw.get("federations", {})
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        raise AgentConfigError(
+            f"federations: expected tables [federations.NAME] with socket, socket-peers and quota, got {tables!r}"
+        )
+    out = []
+    for name, table in tables.items():
+        unknown = sorted(set(table) - _FEDERATION_KEYS)
+        if unknown:
+            raise AgentConfigError(
+                f"federations.{name}: unknown keys {unknown}; expected keys among {sorted(_FEDERATION_KEYS)}"
+            )
+        monitor = table.get("monitor", False)
+        if not isinstance(monitor, bool):
+            raise AgentConfigError(f"federations.{name}.monitor: expected true or false, got {monitor!r}")
+        out.append(
+            Federation(
+                name=str(name),
+                quota=table.get("quota", 1.0),
+                socket_path=Path(_get(table, "socket", str)) if "socket" in table else None,
+                socket_mode=_socket_mode({"agent-socket-mode": table.get("socket-mode", "0660")}),
+                socket_peers=_socket_peers({"agent-socket-peers": table.get("socket-peers", [])}),
+                monitor=monitor,
+                secagg_identity_key=Path(_get(table, k, str)) if (k := "secagg-identity-key") in table else None,
+                secagg_peers=Path(_get(table, "secagg-peers", str)) if "secagg-peers" in table else None,
+            )
+        )
+    return tuple(out)
 
 
 def _high_water(raw: Mapping[str, Any], simulation: bool) -> Path | None:

@@ -45,8 +45,12 @@ from client_agent.high_water import HighWater, HighWaterError, Mark, fsync_path
 from protocol.errors import FedfilterError
 from protocol.npz import load_stored
 
-SCHEMA_VERSION: Final = 1
-"""Version of the ledger's table layout; any change to it is privacy-affecting (CHANGELOG)."""
+SCHEMA_VERSION: Final = 2
+"""Version of the ledger's table layout; any change to it is privacy-affecting (CHANGELOG).
+
+2: every request names its federation (the coordinator whose socket it came over) and each federation
+keeps its own per-unit spend against its quota (table ``quotas``); a version-1 ledger is migrated in
+place, in one transaction, when an agent opens it (its requests belong to federation ``default``)."""
 
 APPLICATION_ID: Final = 0x46464C47  # "FFLG": marks an SQLite file as a fedfilter ledger
 BUSY_TIMEOUT_MS: Final = 10_000
@@ -68,7 +72,10 @@ _FIXED_DEFAULT: Final = (
     "the filter, unit, trust mode and parameters are fixed when a ledger is created and are never changed"
 )
 
-_SCHEMA: Final = (
+DEFAULT_FEDERATION: Final = "default"
+# Version 1's tables, and what turns them into version 2's: the statements are written so that a migrated
+# ledger's schema text is exactly a new one's (SQLite appends an added column to the CREATE text).
+_SCHEMA_V1: Final = (
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT",
     "CREATE TABLE state (id INTEGER PRIMARY KEY CHECK (id = 1), sha256 TEXT NOT NULL, blob BLOB NOT NULL) STRICT",
     "CREATE TABLE requests ("
@@ -76,6 +83,13 @@ _SCHEMA: Final = (
     " digest TEXT NOT NULL, created_at TEXT NOT NULL, release BLOB NOT NULL, reply BLOB NOT NULL) STRICT",
     "CREATE INDEX requests_by_run ON requests (run_id)",
 )
+_TO_V2: Final = (
+    "ALTER TABLE requests ADD COLUMN federation TEXT NOT NULL DEFAULT 'default'",
+    "CREATE TABLE quotas (federation TEXT PRIMARY KEY, sha256 TEXT NOT NULL, blob BLOB NOT NULL) STRICT",
+)
+_SCHEMA: Final = _SCHEMA_V1 + _TO_V2
+# A federation's own spend against its quota, one entry per unit (client_agent/agent.py).
+QUOTA_LAYOUT: Final = {"spent": np.dtype(np.float64), "stopped": np.dtype(np.bool_), "halt_round": np.dtype(np.int64)}
 
 Arrays = dict[str, np.ndarray]
 _T = TypeVar("_T")
@@ -256,6 +270,23 @@ class StoredRequest:
     release: Arrays
 
 
+def qualified_id(federation: str, key: str) -> str:
+    """Where ``federation``'s request ``key`` is stored: the key itself for ``default`` (every ledger before
+    federations), else ``|federation|key``. Request and session ids never hold '|' (protocol.messages), so
+    no two federations' keys meet, and a key of ``default`` never starts with '|'."""
+    return key if federation == DEFAULT_FEDERATION else f"|{federation}|{key}"
+
+
+class FederationLedger:
+    """The lookups of one federation: its request and session ids, in its own namespace of the ledger."""
+
+    def __init__(self, ledger: Ledger, federation: str) -> None:
+        self.ledger, self.federation = ledger, federation
+
+    def lookup(self, request_id: str) -> StoredRequest | None:
+        return self.ledger.lookup(qualified_id(self.federation, request_id))
+
+
 class Ledger:
     """One client's durable privacy ledger; open it with :meth:`open` or :meth:`open_existing`.
 
@@ -301,6 +332,8 @@ class Ledger:
             None if initial_state is None else _checked_arrays(f"ledger {ledger_path}: initial_state", initial_state)
         )
         mark = None if high_water is None else HighWater(Path(high_water), ledger_path)
+        if ledger_path.exists():
+            _migrate(ledger_path)
         if not ledger_path.exists():
             if state is None:
                 raise LedgerError(f"ledger {ledger_path}: expected an initial_state to create a new ledger, found None")
@@ -450,13 +483,70 @@ class Ledger:
             self._decode_release(request_id, release),
         )
 
+    def quota_state(self, federation: str) -> Arrays | None:
+        """``federation``'s own per-unit spend against its quota (None before its first request), checksum checked."""
+        row = self._query_one("SELECT sha256, blob FROM quotas WHERE federation = ?", (federation,))
+        if row is None:
+            return None
+        stored_sha, blob = row
+        if _sha256(blob) != stored_sha:
+            raise _corrupt(self._path, f"quota state of federation {federation!r}: checksum does not match")
+        try:
+            arrays = _decode(blob)
+        except (ValueError, OSError, EOFError) as exc:
+            raise _corrupt(self._path, f"quota state of federation {federation!r} does not decode: {exc}") from exc
+        if (problem := self._quota_layout_problem(arrays)) is not None:
+            raise _corrupt(self._path, f"quota state of federation {federation!r}: {problem}")
+        return arrays
+
+    def federations(self) -> list[str]:
+        """Every federation that has a request in this ledger, or a quota state, sorted."""
+        conn = self._connection()
+        try:
+            rows = conn.execute("SELECT federation FROM requests UNION SELECT federation FROM quotas").fetchall()
+        except sqlite3.Error as exc:
+            raise _corrupt(self._path, exc) from exc
+        return sorted(str(row[0]) for row in rows)
+
+    def _quota_layout_problem(self, arrays: Mapping[str, np.ndarray]) -> str | None:
+        expected = {name: {"shape": [self._config.n_units], "dtype": dtype.str} for name, dtype in QUOTA_LAYOUT.items()}
+        return _layout_mismatch(expected, _layout(dict(arrays)))
+
+    def log(
+        self, *, since: str | None = None, federation: str | None = None
+    ) -> Iterator[tuple[dict[str, object], Arrays]]:
+        """Every answered request in commit order (the owner's audit trail): its row and its release record."""
+        sql = (
+            "SELECT seq, created_at, federation, message_type, run_id, request_id, length(reply), release FROM requests"
+        )
+        clauses, args = [], []
+        if since is not None:
+            clauses.append("created_at >= ?")
+            args.append(since)
+        if federation is not None:
+            clauses.append("federation = ?")
+            args.append(federation)
+        if clauses:
+            sql += " WHERE " + " AND ".join(clauses)
+        keys = ("seq", "created_at", "federation", "message_type", "run_id", "request_id", "reply_bytes")
+        conn = self._connection()
+        try:
+            for row in conn.execute(sql + " ORDER BY seq", args):
+                entry = dict(zip(keys, row[:-1], strict=True))
+                yield entry, self._decode_release(str(entry["request_id"]), row[-1])
+        except sqlite3.Error as exc:
+            raise _corrupt(self._path, exc) from exc
+
     def requests_answered(self) -> int:
         """How many requests this ledger has answered, over all runs."""
         return int(self._query_one("SELECT COUNT(*) FROM requests")[0])
 
-    def requests_in_run(self, run_id: str) -> int:
-        """How many requests this ledger has answered in run ``run_id``."""
-        return int(self._query_one("SELECT COUNT(*) FROM requests WHERE run_id = ?", (run_id,))[0])
+    def requests_in_run(self, run_id: str, federation: str | None = None) -> int:
+        """How many requests this ledger has answered in run ``run_id`` (of ``federation``, when given)."""
+        if federation is None:
+            return int(self._query_one("SELECT COUNT(*) FROM requests WHERE run_id = ?", (run_id,))[0])
+        sql = "SELECT COUNT(*) FROM requests WHERE run_id = ? AND federation = ?"
+        return int(self._query_one(sql, (run_id, federation))[0])
 
     def requests_since(self, moment: datetime) -> int:
         """How many requests this ledger has answered at or after ``moment`` (a UTC datetime), over all runs."""
@@ -500,8 +590,13 @@ class Ledger:
         release: Mapping[str, Any],
         new_state: Mapping[str, Any],
         reply: bytes,
+        federation: str = DEFAULT_FEDERATION,
+        quota_state: Mapping[str, Any] | None = None,
     ) -> None:
         """Store a request, what it released and charged, and the new state, in one durable transaction.
+
+        ``federation``: whose socket the request came over; ``quota_state``: that federation's own
+        per-unit spend after it (:data:`QUOTA_LAYOUT`), stored in the same transaction.
 
         Privacy note: charge before release. This returns only once the transaction is committed
         with ``synchronous=FULL``; send ``reply`` after it returns. On any failure the transaction
@@ -525,6 +620,16 @@ class Ledger:
                 raise LedgerError(f"{where}: expected finite values in new_state[{name!r}], found NaN or infinity")
         if (diff := _layout_mismatch(self._layout, _layout(state))) is not None:
             raise LedgerError(f"{where}: new_state {diff}; the state's layout is fixed when the ledger is created")
+        if not isinstance(federation, str) or not federation:
+            raise LedgerError(f"{where}: expected federation to be a non-empty str, found {federation!r}")
+        quota_blob = None
+        if quota_state is not None:
+            quota = _checked_arrays(f"{where}: quota_state", quota_state)
+            if (problem := self._quota_layout_problem(quota)) is not None:
+                raise LedgerError(f"{where}: quota_state {problem}")
+            if not np.all(np.isfinite(quota["spent"])):
+                raise LedgerError(f"{where}: expected finite values in quota_state['spent'], found NaN or infinity")
+            quota_blob = _encode(quota)
         release_blob = _encode(_checked_arrays(f"{where}: release", release))
         state_blob = _encode(state)
         state_sha = _sha256(state_blob)
@@ -553,11 +658,17 @@ class Ledger:
                 )
             (seq,) = conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM requests").fetchone()
             conn.execute(
-                "INSERT INTO requests (request_id, seq, message_type, run_id, digest, created_at, release, reply) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (request_id, seq, message_type, run_id, digest, created_at, release_blob, bytes(reply)),
+                "INSERT INTO requests (request_id, seq, message_type, run_id, digest, created_at, release, reply, "
+                "federation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (request_id, seq, message_type, run_id, digest, created_at, release_blob, bytes(reply), federation),
             )
             conn.execute("UPDATE state SET sha256 = ?, blob = ? WHERE id = 1", (state_sha, state_blob))
+            if quota_blob is not None:
+                conn.execute(
+                    "INSERT INTO quotas (federation, sha256, blob) VALUES (?, ?, ?) ON CONFLICT (federation) "
+                    "DO UPDATE SET sha256 = excluded.sha256, blob = excluded.blob",
+                    (federation, _sha256(quota_blob), quota_blob),
+                )
             conn.execute("COMMIT")
         except BaseException as exc:
             with contextlib.suppress(sqlite3.Error):
@@ -674,6 +785,16 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
         objects = set(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
         foreign = tuple(sorted(f"{kind} {name!r}" for kind, name, _, _ in objects - _expected_schema()))
         missing = sorted(f"{kind} {name!r}" for kind, name, _, _ in _expected_schema() - objects)
+        meta = (
+            dict(conn.execute("SELECT key, value FROM meta").fetchall())
+            if ("table", "meta") in {(kind, name) for kind, name, _, _ in objects}
+            else {}
+        )
+        if meta.get("schema_version") == "1":  # a version-1 ledger an agent has not migrated yet
+            raise LedgerError(
+                f"ledger {path}: expected schema version {SCHEMA_VERSION}, found 1 (an agent opening it migrates "
+                "it: `fedfilter agent check AGENT.toml`)"
+            )
         if missing:
             raise _corrupt(
                 path, "expected fedfilter's tables and indexes, found missing or altered " + ", ".join(missing)
@@ -683,7 +804,8 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
         raise _corrupt(path, exc) from exc
     version = meta.get("schema_version")
     if version != str(SCHEMA_VERSION):
-        raise LedgerError(f"ledger {path}: expected schema version {SCHEMA_VERSION}, found {version}")
+        hint = " (an agent opening it migrates it: `fedfilter agent check AGENT.toml`)" if version == "1" else ""
+        raise LedgerError(f"ledger {path}: expected schema version {SCHEMA_VERSION}, found {version}{hint}")
     try:
         config = LedgerConfig.from_json(meta["config"])
         layout = json.loads(meta["state_layout"])
@@ -698,6 +820,62 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
     # Fixed at creation: the ledger's own id for its high-water mark (a restored copy keeps it).
     ledger_id = _sha256(f"{meta.get('created_at', '')}|{meta['config']}".encode())[:32]
     return _Contents(config, layout, ledger_id, int(schema_version), foreign, meta.get("high_water") == "kept")
+
+
+@functools.cache
+def _schema_v1() -> frozenset[tuple[str, str, str, str | None]]:
+    conn = sqlite3.connect(":memory:")
+    try:
+        for statement in _SCHEMA_V1:
+            conn.execute(statement)
+        return frozenset(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
+    finally:
+        conn.close()
+
+
+def _migrate(path: Path) -> None:
+    """Bring a version-1 ledger to version 2 in one transaction; any other ledger is left as it is.
+
+    Nothing is dropped or rewritten: a column (every past request is federation ``default``) and an empty
+    table are added, and the version in ``meta`` moves to 2. The ledger's id, state and requests, hence its
+    high-water mark, are unchanged. A version-1 file with any object fedfilter did not create is left
+    alone (the open that follows refuses it).
+    """
+    try:
+        with path.open("rb") as handle:
+            if not handle.read(_SQLITE_HEADER_BYTES).startswith(_SQLITE_MAGIC):
+                return  # not an SQLite file: the open that follows says so
+        conn = sqlite3.connect(path.absolute().as_uri() + "?mode=rw", uri=True, isolation_level=None)
+    except (OSError, sqlite3.Error):
+        return
+    try:
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            conn.execute("PRAGMA trusted_schema = OFF")
+            (app_id,) = conn.execute("PRAGMA application_id").fetchone()
+            objects = set(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
+            if app_id != APPLICATION_ID or objects != _schema_v1():
+                return  # a version-2 ledger, or a file the open that follows refuses
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is None or row[0] != "1":
+                return
+        except sqlite3.Error:
+            return
+        try:
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute("BEGIN IMMEDIATE")
+            (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if version == "1":  # another agent may have migrated it since
+                for statement in _TO_V2:
+                    conn.execute(statement)
+                conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise _corrupt(path, f"migrating from schema version 1: {exc}") from exc
+    finally:
+        conn.close()
 
 
 def _fingerprint(request_id: str, created_at: str) -> str:

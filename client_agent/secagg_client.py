@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
-from client_agent.ledger import Ledger, StoredRequest
+from client_agent.ledger import FederationLedger, StoredRequest
 from client_agent.records import (
     CheckRecord,
     GaussianRecord,
@@ -112,7 +112,7 @@ R = TypeVar("R", KeysRecord, SharesRecord, CheckRecord)
 
 
 def _stored(
-    ledger: Ledger, key: str, message_types: tuple[str, ...], request: wire.RequestBase, what: str
+    ledger: FederationLedger, key: str, message_types: tuple[str, ...], request: wire.RequestBase, what: str
 ) -> ReleaseRecord:
     """The record this client stored for step ``key`` of a session, checked to be of this run and round."""
     stored: StoredRequest | None = ledger.lookup(key)
@@ -128,7 +128,9 @@ def _stored(
     return release
 
 
-def _step(ledger: Ledger, key: str, message_type: str, request: wire.RequestBase, what: str, record: type[R]) -> R:
+def _step(
+    ledger: FederationLedger, key: str, message_type: str, request: wire.RequestBase, what: str, record: type[R]
+) -> R:
     """The ``record`` this client stored for step ``key`` of a session (:func:`_stored`)."""
     release = _stored(ledger, key, (message_type,), request, what)
     if not isinstance(release, record):
@@ -139,7 +141,7 @@ def _step(ledger: Ledger, key: str, message_type: str, request: wire.RequestBase
     return release
 
 
-def _masked_step(ledger: Ledger, request: wire.RequestBase, session: str) -> MaskedShares:
+def _masked_step(ledger: FederationLedger, request: wire.RequestBase, session: str) -> MaskedShares:
     """The peers' shares this client stored with its masked input (step 3) of ``session``."""
     what = "step 3 (masked input)"
     release = _stored(ledger, f"{session}|masked", wire.MESSAGE_TYPES, request, what)
@@ -161,7 +163,7 @@ class Session:
     own: int
 
 
-def load_session(ledger: Ledger, request: wire.RequestBase, session: str) -> Session:
+def load_session(ledger: FederationLedger, request: wire.RequestBase, session: str) -> Session:
     """Steps 1 and 2 of ``session`` as this client answered them (a SessionError when either is missing)."""
     keys = _step(ledger, session, wire.SECAGG_KEYS, request, "step 1 (keys)", KeysRecord)
     shares = _step(ledger, f"{session}|shares", wire.SECAGG_SHARES, request, "step 2 (shares)", SharesRecord)
@@ -232,7 +234,9 @@ def roster_of(request: wire.SecaggSharesRequest) -> sa.Roster:
     )
 
 
-def share_keys(ledger: Ledger, request: wire.SecaggSharesRequest, identity: bytes, trusted: frozenset[bytes]) -> Answer:
+def share_keys(
+    ledger: FederationLedger, request: wire.SecaggSharesRequest, identity: bytes, trusted: frozenset[bytes]
+) -> Answer:
     """Step 2: authenticate the roster and seal this client's shares for its members.
 
     Refused: a fingerprint other than the one this client signed at step 1; a member whose
@@ -267,7 +271,7 @@ def share_keys(ledger: Ledger, request: wire.SecaggSharesRequest, identity: byte
     return (*reply.encode(), release)
 
 
-def check(ledger: Ledger, request: wire.SecaggCheckRequest, identity: bytes) -> Answer:
+def check(ledger: FederationLedger, request: wire.SecaggCheckRequest, identity: bytes) -> Answer:
     """The consistency check: sign (session tag, U3, U2 \\ U3) once, after this client's masked input.
 
     Refused: no masked input from this client in this session; U3 and the dropped list not
@@ -285,7 +289,7 @@ def check(ledger: Ledger, request: wire.SecaggCheckRequest, identity: bytes) -> 
     return (*reply.encode(), release)
 
 
-def unmask(ledger: Ledger, request: wire.SecaggUnmaskRequest) -> Answer:
+def unmask(ledger: FederationLedger, request: wire.SecaggUnmaskRequest) -> Answer:
     """Step 4: for each peer of U2, the seed share if it is in U3, else the key share (never both).
 
     Answered only for the survivor and dropped sets this client signed in the consistency check,
@@ -359,7 +363,7 @@ def check_fingerprint(request: wire.RequestBase, roster: sa.Roster) -> None:
 
 
 def prepare_masked(
-    ledger: Ledger,
+    ledger: FederationLedger,
     request: wire.RequestBase,
     secagg: wire.SecaggInput,
     *,

@@ -38,6 +38,7 @@ Frames on the socket: :mod:`client_agent.local_wire` (npz without pickle, JSON h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -57,7 +58,7 @@ from typing import Any
 
 from client_agent import local_wire
 from client_agent.agent import Agent, Outcome, refusal
-from client_agent.config import AgentConfig, AgentConfigError, parse_agent_config
+from client_agent.config import AgentConfig, AgentConfigError, Federation, parse_agent_config
 from protocol import messages as wire
 from protocol.errors import FedfilterError
 
@@ -79,10 +80,12 @@ class ServiceError(FedfilterError, OSError):
 
 
 def load_service_config(path: Path) -> AgentConfig:
-    """The agent TOML, which must name ``agent-socket`` (the Unix socket the proxy connects to)."""
+    """The agent TOML, which must name ``agent-socket`` (or, per [federations.NAME] table, ``socket``)."""
     cfg = parse_agent_config({"agent-config": str(path)})
-    if cfg.socket_path is None:
-        raise AgentConfigError(f"agent-socket: expected the Unix socket path in {path}, found none")
+    for fed in cfg.served:
+        if fed.socket_path is None:
+            where = "agent-socket" if not cfg.federations else f"federations.{fed.name}.socket"
+            raise AgentConfigError(f"{where}: expected the Unix socket path in {path}, found none")
     return cfg
 
 
@@ -142,8 +145,13 @@ class AgentService:
         self.agent: Agent | None = self.worker.submit(Agent, config).result()  # opened on the worker thread
         self.answered = 0
 
-    def handle(self, frame: bytes | bytearray | None, unread: Exception | None = None) -> bytes:
-        """One request frame in, one reply frame out (runs on the worker thread); ``unread``: why there is none."""
+    def handle(
+        self, frame: bytes | bytearray | None, unread: Exception | None = None, federation: str | None = None
+    ) -> bytes:
+        """One request frame in, one reply frame out (runs on the worker thread); ``unread``: why there is none.
+
+        ``federation``: whose socket the frame came over (the agent's first federation when None)."""
+        fed = federation or self.config.served[0].name
         message_type = "?"
         try:
             if frame is None:
@@ -152,7 +160,7 @@ class AgentService:
         except local_wire.FrameError as exc:
             outcome = refusal(wire.ERR_MALFORMED, "?", {}, exc)
         else:
-            outcome = self._answer(message_type, req_config, arrays)
+            outcome = self._answer(message_type, req_config, arrays, fed)
         self.answered += 1
         try:
             return local_wire.pack_reply(outcome.error_code, outcome.error_reason, outcome.config, outcome.arrays)
@@ -160,13 +168,15 @@ class AgentService:
             failed = refusal(wire.ERR_INTERNAL, message_type, {}, exc)
             return local_wire.pack_reply(failed.error_code, failed.error_reason, None, None)
 
-    def _answer(self, message_type: str, req_config: dict[str, Any], arrays: dict[str, Any]) -> Outcome:
+    def _answer(
+        self, message_type: str, req_config: dict[str, Any], arrays: dict[str, Any], federation: str
+    ) -> Outcome:
         if self.agent is None:
             try:
                 self.agent = Agent(self.config)
             except Exception as exc:  # the ledger or data cannot be opened: nothing is answered
                 return refusal(wire.ERR_LEDGER, message_type, req_config, exc)
-        outcome = self.agent.handle(message_type, req_config, arrays)
+        outcome = self.agent.handle(message_type, req_config, arrays, federation)
         if outcome.error_code == wire.ERR_LEDGER:
             # The next request reopens it with every check of a first open. Only a ledger error
             # does: a request that forces an internal error must not buy a costly reopen each time.
@@ -189,8 +199,9 @@ def max_request_bytes(config: AgentConfig) -> int:
     return 4 * config.policy.max_model_params + REQUEST_HEADROOM_BYTES
 
 
-def peer_uids(config: AgentConfig) -> frozenset[int]:
-    """The uids ``agent-socket-peers`` names (user names resolved now); none named: this process's own."""
+def peer_uids(config: AgentConfig | Federation) -> frozenset[int]:
+    """The uids ``agent-socket-peers`` (a federation's ``socket-peers``) names, user names resolved now; none
+    named: this process's own."""
     uids: set[int] = set()
     for peer in config.socket_peers:
         if peer.isdigit():
@@ -233,46 +244,71 @@ def _busy_reply() -> bytes:
     return local_wire.pack_reply(wire.ERR_UNAVAILABLE, wire.ERROR_TEXT[wire.ERR_UNAVAILABLE], None, None)
 
 
-class _Listener:
-    """Accepts connections, checks each one's peer, and answers one request per connection."""
+@dataclasses.dataclass
+class _Endpoint:
+    """One federation's socket: who may connect, and its own connection slots."""
 
-    def __init__(self, service: AgentService, sock: socket.socket, allowed: frozenset[int], max_bytes: int) -> None:
-        self.service, self.sock, self.allowed, self.max_bytes = service, sock, allowed, max_bytes
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+    federation: str
+    sock: socket.socket
+    allowed: frozenset[int]
+    slots: threading.BoundedSemaphore = dataclasses.field(
+        default_factory=lambda: threading.BoundedSemaphore(MAX_CONNECTIONS)
+    )
+
+
+class _Listener:
+    """Accepts connections on every federation's socket, checks each one's peer against that socket's
+    peers, and answers one request per connection, tagged with the socket's federation."""
+
+    def __init__(self, service: AgentService, endpoints: list[_Endpoint], max_bytes: int) -> None:
+        self.service, self.endpoints, self.max_bytes = service, endpoints, max_bytes
         self.threads: set[threading.Thread] = set()
         self.refused = 0
 
     def run(self, stop: threading.Event) -> None:
         with selectors.DefaultSelector() as sel:
-            sel.register(self.sock, selectors.EVENT_READ)
+            for endpoint in self.endpoints:
+                sel.register(endpoint.sock, selectors.EVENT_READ, endpoint)
             while not stop.is_set():
-                if not sel.select(timeout=0.2):
-                    continue
-                try:
-                    conn, _ = self.sock.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                self._accept(conn)
+                for key, _ in sel.select(timeout=0.2):
+                    endpoint = key.data
+                    try:
+                        conn, _ = endpoint.sock.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    self._accept(conn, endpoint)
 
-    def _accept(self, conn: socket.socket) -> None:
+    def _accept(self, conn: socket.socket, endpoint: _Endpoint) -> None:
         pid, uid = _peer(conn)
-        if uid not in self.allowed:
+        if uid not in endpoint.allowed:
             self.refused += 1
-            LOG.warning("refused a connection from uid %d (process %d): not among the agent's socket peers", uid, pid)
+            LOG.warning(
+                "refused a connection from uid %d (process %d) on federation %r's socket: not among its peers",
+                uid,
+                pid,
+                endpoint.federation,
+            )
             conn.close()  # before a byte is read: nothing of the request reaches the agent
             return
-        if not self.slots.acquire(blocking=False):
-            LOG.warning("busy: %d requests in progress; refused one from process %d", MAX_CONNECTIONS, pid)
+        if not endpoint.slots.acquire(blocking=False):
+            LOG.warning(
+                "busy: %d requests of federation %r in progress; refused one from process %d",
+                MAX_CONNECTIONS,
+                endpoint.federation,
+                pid,
+            )
             with contextlib.suppress(OSError):
                 conn.settimeout(1.0)
                 local_wire.send(conn, _busy_reply())
             conn.close()
             return
-        thread = threading.Thread(target=self._serve_one, args=(conn,), name="fedfilter-agent-conn", daemon=True)
+        thread = threading.Thread(
+            target=self._serve_one, args=(conn, endpoint), name="fedfilter-agent-conn", daemon=True
+        )
         self.threads.add(thread)
         thread.start()
 
-    def _serve_one(self, conn: socket.socket) -> None:
+    def _serve_one(self, conn: socket.socket, endpoint: _Endpoint) -> None:
         try:
             try:
                 deadline = time.monotonic() + READ_TIMEOUT_S
@@ -280,14 +316,14 @@ class _Listener:
                 reason: Exception | None = None
             except local_wire.FrameError as exc:  # too large, a bad prefix or a short frame
                 frame, reason = None, exc
-            reply = self.service.worker.submit(self.service.handle, frame, reason).result()
+            reply = self.service.worker.submit(self.service.handle, frame, reason, endpoint.federation).result()
             with contextlib.suppress(OSError):  # the caller gave up: the charge stands, a retry gets this reply
                 local_wire.send(conn, reply, deadline=time.monotonic() + READ_TIMEOUT_S)
         except OSError as exc:
             LOG.warning("connection dropped before its request was read: %s", exc)
         finally:
             conn.close()
-            self.slots.release()
+            endpoint.slots.release()
             self.threads.discard(threading.current_thread())
 
     def drain(self, timeout: float) -> None:
@@ -295,30 +331,48 @@ class _Listener:
             thread.join(timeout)
 
 
+def _bind(path: Path, mode: int) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o777 & ~mode)  # the socket is created with its final mode
+    try:
+        sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise ServiceError(f"agent-socket: expected to listen on {path}, found: {exc}") from exc
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, mode)
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock
+
+
 def serve(config: AgentConfig, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> int:
-    """Run the service until ``stop`` is set (SIGTERM and SIGINT set it when run from the main thread)."""
-    assert config.socket_path is not None
-    path = config.socket_path
+    """Run the service until ``stop`` is set (SIGTERM and SIGINT set it when run from the main thread).
+
+    One socket per federation (``agent-socket``, or each [federations.NAME] table's ``socket``), each
+    answering only its own peers; every request is answered by the one agent on the one ledger.
+    """
     stop = stop or threading.Event()
-    allowed = peer_uids(config)
-    check_socket_folder(path)
-    claim_socket_path(path)
+    feds = config.served
+    allowed = {fed.name: peer_uids(fed) for fed in feds}
+    for fed in feds:
+        assert fed.socket_path is not None
+        check_socket_folder(fed.socket_path)
+        claim_socket_path(fed.socket_path)
     with ledger_lock(config.ledger_path):
         service = AgentService(config)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o777 & ~config.socket_mode)  # the socket is created with its final mode
+        endpoints: list[_Endpoint] = []
         try:
-            sock.bind(str(path))
-        except OSError as exc:
-            sock.close()
+            for fed in feds:
+                assert fed.socket_path is not None
+                endpoints.append(_Endpoint(fed.name, _bind(fed.socket_path, fed.socket_mode), allowed[fed.name]))
+        except BaseException:
+            for endpoint in endpoints:
+                endpoint.sock.close()
             service.close()
-            raise ServiceError(f"agent-socket: expected to listen on {path}, found: {exc}") from exc
-        finally:
-            os.umask(old_umask)
-        os.chmod(path, config.socket_mode)
-        sock.listen(64)
-        sock.setblocking(False)
-        listener = _Listener(service, sock, allowed, max_request_bytes(config))
+            raise
+        listener = _Listener(service, endpoints, max_request_bytes(config))
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
 
@@ -328,25 +382,31 @@ def serve(config: AgentConfig, *, ready: threading.Event | None = None, stop: th
 
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, on_signal)
-        LOG.info(
-            "serving %s (unit %s, trust %s, filter %s) on %s, mode %o, peers uid %s, requests up to %d bytes",
-            config.ledger_path,
-            config.unit,
-            config.trust,
-            config.filter,
-            path,
-            config.socket_mode,
-            sorted(allowed),
-            listener.max_bytes,
-        )
+        for fed in feds:
+            LOG.info(
+                "serving %s (unit %s, trust %s, filter %s) to federation %r (quota %s) on %s, mode %o, peers uid %s, "
+                "requests up to %d bytes",
+                config.ledger_path,
+                config.unit,
+                config.trust,
+                config.filter,
+                fed.name,
+                fed.quota,
+                fed.socket_path,
+                fed.socket_mode,
+                sorted(allowed[fed.name]),
+                listener.max_bytes,
+            )
         if ready is not None:
             ready.set()
         try:
             listener.run(stop)
         finally:
-            sock.close()
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            for fed, endpoint in zip(feds, endpoints, strict=True):
+                endpoint.sock.close()
+                assert fed.socket_path is not None
+                with contextlib.suppress(FileNotFoundError):
+                    fed.socket_path.unlink()
             listener.drain(timeout=30)  # the requests in progress finish and are committed
             service.close()
             for number, handler in previous.items():

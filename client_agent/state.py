@@ -136,6 +136,12 @@ class AgentState:
         arrays["monitor_run"] = np.array([self.monitor_run], dtype=np.int64)
         return arrays
 
+    def quota_arrays(self) -> dict[str, NDArray[Any]]:
+        """A federation's own state as the ledger's ``quotas`` table stores it (client_agent.ledger.QUOTA_LAYOUT)."""
+        if self.spent is None or self.stopped is None:
+            raise LedgerError("agent state: a federation's quota state needs a Gaussian filter's spent and stopped")
+        return {"spent": self.spent, "stopped": self.stopped, "halt_round": self.halt_round}
+
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, NDArray[Any]]) -> AgentState:
         """The state the ledger stored; other names, shapes or dtypes raise :class:`LedgerError`."""

@@ -41,6 +41,18 @@ def write_clients(
     return per
 
 
+def request_share(filter_kind: str, *, epsilon: float, delta: float, noise_std: float, clip: float) -> float:
+    """The ``policy-max-request-share`` a plan of rounds at (``noise_std``, ``clip``) needs: its per-round cost
+    (clip / noise_std)^2 as a share of the filter's threshold, and never less than the agents' default
+    (client_agent.config.DEFAULT_MAX_REQUEST_SHARE) nor more than 1. A simulation states it explicitly
+    when its rounds cost more than the default allows (a few large rounds)."""
+    from client_agent.config import DEFAULT_MAX_REQUEST_SHARE
+    from protocol.filters import GaussianFilter
+
+    threshold = GaussianFilter.create(filter_kind, epsilon=epsilon, delta=delta).threshold
+    return min(1.0, max(DEFAULT_MAX_REQUEST_SHARE, (clip / noise_std) ** 2 / threshold))
+
+
 def secagg_identities(folder: Path, count: int) -> list[dict[str, str]]:
     """Per client, the agent keys of secagg trust: its own identity key file (kept when already there,
     as its ledger is) and one peers file listing every client's identity (client_agent/identity.py)."""

@@ -207,7 +207,7 @@ def probe_mean(agent: Agent, request: wire.IndicatorRequest) -> NDArray[np.float
     """
     inject(agent, np.zeros(1), sigma=request.noise_std)
     rows = agent.contributions(request)
-    reply, _, _ = agent.release(request, rows, AgentState.from_arrays(agent.ledger.state()))
+    reply, _, _, _ = agent.release(request, rows, AgentState.from_arrays(agent.ledger.state()))
     assert isinstance(reply, wire.ContributionReply)
     return np.asarray(reply.total, dtype=np.float64)
 

@@ -55,6 +55,9 @@ def node_config(folder: Path, data: Data | None = None, **over: Any) -> dict[str
         "delta": 1e-5,
         "unit": "record",
         "trust": "local",
+        # The tests' requests are sized so that a few spend a small budget; the per-request cap
+        # (default 1/4) has tests of its own (tests/unit/test_federations.py).
+        "policy-max-request-share": 1.0,
     }
     return base | over
 
@@ -83,6 +86,7 @@ def secagg_node_config(folder: Path, i: int, *, peers: int, **over: Any) -> dict
         "unit": "client",
         "trust": "secagg",
         "noise-seed": 100 + i,
+        "policy-max-request-share": 1.0,
         **secagg_identities(folder / "identities", peers)[i],
     }
     return cfg | over

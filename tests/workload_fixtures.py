@@ -31,6 +31,8 @@ def write_agent(tmp_path: Path, *, workload: str = REF, **extra: Any) -> Path:
         'unit = "record"',
         'trust = "local"',
         "policy-min-noise-std = 0.5",
+        "policy-max-clip = 100.0",
+        "policy-max-request-share = 1.0",
         f"workload = {json.dumps(workload)}",
         *(f"{k} = {json.dumps(v)}" for k, v in extra.items()),
     ]

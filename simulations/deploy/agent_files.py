@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,9 +44,25 @@ def write_agent_toml(path: Path, values: Mapping[str, object]) -> Path:
 def write_agent_files(root: Path, parts: Sequence[tuple[np.ndarray, np.ndarray]], **agent: object) -> list[Path]:
     """Data files, ledgers folder and ``agent{i}.toml`` (absolute paths) for each part, under ``root``.
 
-    Each TOML names its service's socket, ``agent{i}.sock`` beside it (``fedfilter agent serve``).
+    Each TOML names its service's socket, ``agent{i}.sock`` beside it (``fedfilter agent serve``), and
+    states the policy a deployed agent must state: a noise floor and a clip limit (default 1.0 each: the
+    demo runs ask noise 3 and clip 1) and the per-request cap those allow (at least the default quarter;
+    more when one request within them costs more, as the demos' few-round runs do at epsilon 2).
     """
+    from simulations.federation import request_share
+
     root = root.resolve()
+    agent = {k.replace("_", "-"): v for k, v in agent.items()}
+    agent.setdefault("policy-min-noise-std", 1.0)
+    agent.setdefault("policy-max-clip", 1.0)
+    if "policy-max-request-share" not in agent:
+        agent["policy-max-request-share"] = request_share(
+            str(agent.get("filter", "gdp")),
+            epsilon=float(agent["epsilon"]),  # type: ignore[arg-type]
+            delta=float(agent["delta"]),  # type: ignore[arg-type]
+            noise_std=float(agent["policy-min-noise-std"]),  # type: ignore[arg-type]
+            clip=float(agent["policy-max-clip"]),  # type: ignore[arg-type]
+        )
     per = write_clients(root, parts, ledger_dir=root / "ledgers", **agent)
     return [
         write_agent_toml(root / f"agent{pid}.toml", per[pid] | {"agent-socket": str(root / f"agent{pid}.sock")})
@@ -64,6 +81,36 @@ def demo_parts(agents: int, *, records: int = 40, seed: int = 0) -> list[tuple[n
         x[records // 2 :] *= 0.05  # these records' units outlive the others
         parts.append((x, (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.int64)))
     return parts
+
+
+def effective_policy(cfg: Any) -> dict[str, object]:
+    """The policy the agent keeps, with what one request can cost a unit at most (issue 23).
+
+    The cost of one request is (C / sigma)^2 in the filter's currency S = sum mu^2, at most
+    (policy-max-clip / policy-min-noise-std)^2 and at most policy-max-request-share of the threshold T.
+    """
+    from client_agent.config import AgentConfig
+
+    assert isinstance(cfg, AgentConfig)
+    policy = cfg.policy.describe()
+    if cfg.filter == "realisation":
+        policy["one_request_costs_at_most"] = "the realisation filter's cap mu_max = max_clip / min_noise_std"
+        return policy
+    threshold = cfg.gaussian_filter().threshold
+    limits = {"policy-max-request-share": cfg.policy.max_request_share * threshold}
+    if cfg.policy.max_request_share >= 1.0:
+        limits["policy-max-request-share"] = threshold  # the budget itself (partial clipping)
+    if math.isfinite(cfg.policy.max_clip):
+        limits["policy-max-clip / policy-min-noise-std"] = (cfg.policy.max_clip / cfg.policy.min_noise_std) ** 2
+    binding = min(limits, key=lambda k: limits[k])
+    policy["threshold_T"] = threshold
+    policy["one_request_costs_at_most"] = {
+        "S": limits[binding],
+        "share_of_budget": limits[binding] / threshold,
+        "set_by": binding,
+        "requests_to_spend_a_budget_at_least": math.ceil(threshold / limits[binding] - 1e-12),
+    }
+    return policy
 
 
 def check_agent_file(path: Path) -> dict[str, object]:
@@ -98,8 +145,21 @@ def check_agent_file(path: Path) -> dict[str, object]:
     }
     from client_agent.workload_check import dry_run
 
+    out["effective_policy"] = effective_policy(cfg)
     # Every registered model, loss, validity rule and query on a few of the owner's own records (locally).
     out["dry-run"] = dry_run(workload, source, unit=cfg.unit)
+    if len(cfg.workload_refs) > 1:
+        from client_agent.agent import _name_index
+        from workloads.registry import load_workload
+
+        extra = tuple(load_workload(ref) for ref in cfg.extra_workloads)
+        _name_index((workload, *extra))  # a name in two workloads stops the check, as it stops the agent
+        out["workloads"] = [workload.name, *(w.name for w in extra)]
+        for other in extra:
+            out[f"dry-run {other.name}"] = dry_run(other, source, unit=cfg.unit)
+    out["federations"] = [
+        {**fed.describe(), "socket": None if fed.socket_path is None else str(fed.socket_path)} for fed in cfg.served
+    ]
     if cfg.socket_path is not None:
         out["agent-socket"] = str(cfg.socket_path)
     if cfg.secagg_identity_key is not None and cfg.secagg_peers is not None:

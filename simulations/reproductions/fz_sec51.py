@@ -57,7 +57,7 @@ from simulations.datasets.checks import int_at_least
 from simulations.datasets.idx import default_data_dir, load_idx_dataset, normalise_images
 from simulations.datasets.partition import mnist_silos, partition_iid
 from simulations.errors import SimulationError
-from simulations.federation import write_clients
+from simulations.federation import request_share, write_clients
 from simulations.presets.base import active_per_round
 
 DELTA = 1e-5
@@ -301,6 +301,8 @@ def seed_branch_ledgers(source: Path, clients: dict[int, dict[str, Any]], *, thr
                 stored = digests[rid]
                 assert stored is not None
                 agent.ledger.commit(
+                    # The one federation of a simulation: its quota (1) mirrors the global spend.
+                    quota_state=state.quota_arrays(),
                     request_id=rid,
                     message_type=kind,
                     run_id=rid.split(":", 1)[0],
@@ -355,6 +357,10 @@ def run_federation(
         trust="central",
         filter=c.filter,
         noise_seed=seed,
+        # FZ's cells cost at most 1/40 of the budget a step; short test cells may cost more.
+        policy_max_request_share=request_share(
+            c.filter, epsilon=c.epsilon, delta=DELTA, noise_std=c.noise_std, clip=c.clip
+        ),
     )
     resume: dict[str, Any] = {"noise_seed": seed}
     if branch is not None:

@@ -105,8 +105,8 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]
             unit="record",
             trust="local",
         )
-        text = tomls[2].read_text() + f"policy-min-noise-std = {POLICY_MIN_NOISE_STD}\n"
-        tomls[2].write_text(text)
+        text = tomls[2].read_text().replace("policy-min-noise-std = 1.0\n", "")
+        tomls[2].write_text(text + f"policy-min-noise-std = {POLICY_MIN_NOISE_STD}\n")
         dep.start_superlink()
         keys = [make_node_keys(root / "keys" / f"agent{i}").private for i in range(N_AGENTS)]
         node_ids = [dep.register(k.with_name(k.name + ".pub")) for k in keys]

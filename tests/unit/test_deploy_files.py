@@ -37,7 +37,9 @@ def test_example_agent_file_validates_and_documents_every_key() -> None:
     assert cfg.policy.min_noise_std == 1.0 and cfg.policy.max_clip == 10.0
     assert cfg.policy.allowed_trust == ("local",)
     text = EXAMPLE.read_text()
-    missing = sorted(k for k in _KEYS - {"noise-seed"} if not re.search(rf"^#? ?{re.escape(k)} =", text, re.M))
+    missing = sorted(
+        k for k in _KEYS - {"noise-seed"} if not re.search(rf"^#? ?({re.escape(k)} =|\[{re.escape(k)}\.)", text, re.M)
+    )
     assert not missing, f"docs/agent.example.toml: document the keys {missing}"
 
 
@@ -50,11 +52,14 @@ def test_agent_config_errors_name_expected_and_found(tmp_path: Path) -> None:
         parse_agent_config({"agent-config": str(tmp_path / "none.toml")})
 
 
+POLICY = {"policy-min-noise-std": 0.5, "policy-max-clip": 5.0}  # a deployed agent states both
+
+
 def test_check_agent_file(tmp_path: Path) -> None:
     x = np.zeros((5, 3), dtype=np.float32)
     np.savez(tmp_path / "data.npz", x=x, y=np.zeros(5, dtype=np.int64))
     good = {"ledger-path": str(tmp_path / "ledger.sqlite"), "data-path": str(tmp_path / "data.npz")}
-    path = write_agent_toml(tmp_path / "agent.toml", {**good, "epsilon": 1.0, "delta": 1e-6})
+    path = write_agent_toml(tmp_path / "agent.toml", {**good, "epsilon": 1.0, "delta": 1e-6, **POLICY})
     described = check_agent_file(path)
     assert described["units"] == 5 and described["ledger"] == "created at the first request"
     assert not (tmp_path / "ledger.sqlite").exists()  # checking creates nothing
@@ -62,7 +67,7 @@ def test_check_agent_file(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     relative = write_agent_toml(
         tmp_path / "sub" / "rel.toml",
-        {"ledger-path": "ledger.sqlite", "data-path": "../data.npz", "epsilon": 1.0, "delta": 0.1},
+        {"ledger-path": "ledger.sqlite", "data-path": "../data.npz", "epsilon": 1.0, "delta": 0.1, **POLICY},
     )
     assert check_agent_file(relative)["records"] == 5
     cfg = parse_agent_config({"agent-config": str(relative)})
@@ -70,12 +75,12 @@ def test_check_agent_file(tmp_path: Path) -> None:
     assert cfg.ledger_path == (tmp_path / "sub").resolve() / "ledger.sqlite"
     gone = write_agent_toml(
         tmp_path / "sub" / "gone.toml",
-        {"ledger-path": "l.sqlite", "data-path": "data.npz", "epsilon": 1.0, "delta": 0.1},
+        {"ledger-path": "l.sqlite", "data-path": "data.npz", "epsilon": 1.0, "delta": 0.1, **POLICY},
     )
     with pytest.raises(DeployFileError, match="found nothing at"):
         check_agent_file(gone)  # resolved against sub/, where there is no data.npz
     missing = write_agent_toml(
-        tmp_path / "miss.toml", {**good, "data-path": str(tmp_path / "no.npz"), "epsilon": 1.0, "delta": 0.1}
+        tmp_path / "miss.toml", {**good, "data-path": str(tmp_path / "no.npz"), "epsilon": 1.0, "delta": 0.1, **POLICY}
     )
     with pytest.raises(DeployFileError, match="found nothing at"):
         check_agent_file(missing)

@@ -168,7 +168,7 @@ def test_a_stopped_records_data_has_no_influence_at_all(tmp_path: Path, case: st
         spent = np.where(stopped, a.gaussian.threshold, 0.0)
         state = replace(state, spent=spent, stopped=stopped)
         req = request(case, "audit-stopped")
-        reply, new_state, _ = a.release(req, a.contributions(req), state)
+        reply, new_state, _, _ = a.release(req, a.contributions(req), state)
         assert isinstance(reply, wire.ContributionReply)
         assert new_state.spent[1] == a.gaussian.threshold  # the stopped record paid nothing more
         replies.append(np.asarray(reply.total))
@@ -232,6 +232,6 @@ def test_an_id_outside_a_table_makes_its_record_null_never_an_error(tmp_path: Pa
     stopped[3] = True
     state = replace(state, stopped=stopped, spent=np.where(stopped, a.gaussian.threshold, state.spent))
     req = _controls_request(model, {"categories": 5}, "r2")
-    reply, _, _ = a.release(req, a.contributions(req), state)
+    reply, _, _, _ = a.release(req, a.contributions(req), state)
     assert isinstance(reply, wire.ContributionReply) and reply.status == wire.REPLY_OK
     a.close()

@@ -182,6 +182,8 @@ def test_agent_check_refuses_batch_norm_and_dropout_before_serving_naming_module
             "data-path": str(tmp_path / "d.npz"),
             "epsilon": 1.0,
             "delta": 1e-5,
+            "policy-min-noise-std": 0.5,
+            "policy-max-clip": 5.0,
             "workload": "tests.unit.test_model_zoo:REFUSING",
         },
     )

@@ -68,6 +68,8 @@ def test_a_bad_agent_configuration_answers_fixed_text(tmp_path: Path) -> None:
         "data-path": str(tmp_path / "missing.npz"),
         "epsilon": 1.0,
         "delta": 1e-5,
+        "policy-min-noise-std": 0.5,
+        "policy-max-clip": 5.0,
     }
     outcome = answer_request(cfg, wire.GRADIENT, *gradient(), cache=None)
     assert outcome.error_code == wire.ERR_LEDGER
@@ -136,9 +138,14 @@ def test_the_ledger_refuses_a_non_finite_state(tmp_path: Path) -> None:
 def test_policy_min_noise_std_has_a_safe_non_zero_default(tmp_path: Path) -> None:
     assert Policy().min_noise_std == DEFAULT_MIN_NOISE_STD > 0
     base = {"ledger-path": str(tmp_path / "l"), "data-path": str(tmp_path / "d"), "epsilon": 1.0, "delta": 1e-5}
-    assert parse_agent_config(base).policy.min_noise_std == DEFAULT_MIN_NOISE_STD
+    assert parse_agent_config(base, simulation=True).policy.min_noise_std == DEFAULT_MIN_NOISE_STD
     with pytest.raises(AgentConfigError, match="policy-min-noise-std: expected a number > 0"):
-        parse_agent_config(base | {"policy-min-noise-std": 0.0})
+        parse_agent_config(base | {"policy-min-noise-std": 0.0, "policy-max-clip": 1.0})
+    # A deployed agent has no default: its owner states the floor and the clip limit (issue 23).
+    with pytest.raises(AgentConfigError, match="policy-min-noise-std and policy-max-clip: expected explicit values"):
+        parse_agent_config(base)
+    with pytest.raises(AgentConfigError, match="^policy-max-clip: expected explicit values"):
+        parse_agent_config(base | {"policy-min-noise-std": 0.5})
 
 
 # --- finding 6: seeded noise is for simulations only ---------------------------------------------

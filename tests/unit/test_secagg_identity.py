@@ -19,7 +19,10 @@ from tests.factories import node_config
 
 
 def base(tmp_path: Path) -> dict[str, object]:
-    return node_config(tmp_path, (np.zeros((4, 3), np.float32), np.zeros(4, np.int64)), unit="client", trust="secagg")
+    # A deployed agent's configuration: its noise floor and clip limit are stated.
+    data = (np.zeros((4, 3), np.float32), np.zeros(4, np.int64))
+    policy = {"policy-min-noise-std": 0.1, "policy-max-clip": 10.0}
+    return node_config(tmp_path, data, unit="client", trust="secagg", **policy)
 
 
 def test_secagg_trust_requires_the_identity_and_the_peers(tmp_path: Path) -> None:

@@ -306,11 +306,11 @@ def test_the_fused_release_charges_what_it_sums(tmp_path: Path) -> None:
     state = replace(state, spent=np.where(stopped, threshold, spent), stopped=stopped)
     streamed = agent.contributions(request)
     assert isinstance(streamed, StreamedGradients)
-    reply, new_state, release = agent.release(request, streamed, state)
+    reply, new_state, release, _ = agent.release(request, streamed, state)
     from client_agent.workloads import gradient_rows
 
     rows = gradient_rows(request, x, y, unit="record")
-    reply_rows, state_rows, release_rows = agent.release(request, rows, state)
+    reply_rows, state_rows, release_rows, _ = agent.release(request, rows, state)
     assert isinstance(release, GaussianRecord) and isinstance(release_rows, GaussianRecord)
     assert new_state.spent is not None and new_state.stopped is not None
     charged = release.l2_norms > 0

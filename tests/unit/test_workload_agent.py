@@ -163,13 +163,15 @@ def test_enrolment_refuses_a_client_whose_model_has_another_parameter_layout(tmp
     compares the layout fingerprints (names, shapes, dtypes) and refuses before any data is touched."""
     import dataclasses
 
+    from client_agent.agent import _name_index
     from examples.gn_regression import workload as example
 
     agent = deployed_agent(tmp_path)
     wider = dataclasses.replace(
         example.WORKLOAD, models={"gn_cnn": lambda **kw: example.gn_cnn(channels=16, **kw)}
     )  # the client's own build of the same name
-    object.__setattr__(agent, "workload", wider)
+    agent.workload, agent.workloads = wider, (wider,)
+    agent._by_model, agent._by_query = _name_index(agent.workloads)
     status = agent.handle(wire.STATUS, *wire.encode_request(wire.StatusRequest("s", "run", 0, "gn_cnn", "{}")))
     layout = json.loads(status.config["description"])["layout"]  # type: ignore[index]
     assert layout["model"] == "gn_cnn" and len(layout["fingerprint"]) == 64
@@ -201,7 +203,8 @@ def test_enrolment_refuses_a_client_whose_model_has_another_parameter_layout(tmp
         EnrolmentError, match="model 'gn_cnn' with \\{\\} asked; a client's workload builds it with another"
     ):
         enrol(One(), cfg)  # type: ignore[arg-type]
-    object.__setattr__(agent, "workload", example.WORKLOAD)
+    agent.workload, agent.workloads = example.WORKLOAD, (example.WORKLOAD,)
+    agent._by_model, agent._by_query = _name_index(agent.workloads)
     assert enrol(One(), cfg).units_enrolled == RECORDS  # the same build: enrolled
     agent.close()
 

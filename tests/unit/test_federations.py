@@ -1,0 +1,274 @@
+"""One budget per person (issue 23): several federations and workloads on one ledger, quotas, the per-request cap.
+
+Everything runs through the agent's real release path (``Agent.handle``); the ledger is then read back
+and replayed independently of the agent's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client_agent.agent import Agent
+from client_agent.config import AgentConfigError, parse_agent_config
+from client_agent.ledger import SCHEMA_VERSION, Ledger
+from client_agent.ledger_report import verify_ledger
+from client_agent.state import AgentState
+from protocol import messages as wire
+from protocol.filters import GaussianFilter
+from tests.factories import client_data, gradient_request, indicator_request, node_config
+
+QUOTAS = {"alpha": 0.5, "beta": 0.7}  # they add up to more than 1: the global filter bounds both together
+
+
+def two_federations(tmp_path: Path, **over: Any) -> dict[str, Any]:
+    cfg = node_config(tmp_path, client_data(20, seed=3), trust="central", **over)
+    cfg["federations"] = {name: {"quota": quota} for name, quota in QUOTAS.items()}
+    return cfg
+
+
+def ask(agent: Agent, request: Any, federation: str) -> Any:
+    return agent.handle(*_encoded(request), federation)
+
+
+def _encoded(request: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    kind = wire.message_type_of(request)
+    config, arrays = wire.encode_request(request)
+    return kind, config, arrays
+
+
+def test_two_coordinators_interleaving_adaptive_requests_stay_within_quotas_and_the_budget(tmp_path: Path) -> None:
+    agent = Agent(parse_agent_config(two_federations(tmp_path), simulation=True))
+    assert agent.gaussian is not None
+    threshold = agent.gaussian.threshold
+    rng = np.random.default_rng(11)
+    rounds = {"alpha": 0, "beta": 0}
+    params = {name: np.zeros(8, np.float32) for name in QUOTAS}
+    exhausted_seen = {name: 0 for name in QUOTAS}
+    for _ in range(400):
+        fed = "alpha" if rng.random() < 0.5 else "beta"
+        rounds[fed] += 1
+        # Adaptive: each coordinator moves its model by what it received and picks its next noise.
+        noise = float(rng.choice([1.0, 2.0, 4.0]))
+        request = gradient_request(
+            f"{fed}-{rounds[fed]}",
+            run_id=f"run-{fed}",
+            round=rounds[fed],
+            noise_std=noise,
+            trust="central",
+            parameters=params[fed],
+        )
+        outcome = ask(agent, request, fed)
+        assert not outcome.is_error, outcome.local_detail
+        reply = wire.ContributionReply.decode(outcome.config, outcome.arrays)
+        if reply.status == wire.REPLY_EXHAUSTED:
+            exhausted_seen[fed] += 1
+        else:
+            params[fed] = (params[fed] - 0.5 * reply.total).astype(np.float32)
+        state = AgentState.from_arrays(agent.ledger.state())
+        assert state.spent is not None and np.all(state.spent <= threshold)  # never over the budget
+        for name, quota in QUOTAS.items():
+            own = agent.quota_state(name)
+            assert own is not None and own.spent is not None
+            assert np.all(own.spent <= quota * threshold)  # each federation within its quota
+        if all(exhausted_seen.values()):
+            break
+    assert all(exhausted_seen.values()), "both federations should have used up what they may spend"
+    # What each federation spent, replayed from the ledger's own records of what it released.
+    spent_by: dict[str, np.ndarray] = {name: np.zeros(agent.n_units) for name in QUOTAS}
+    for row, release in agent.ledger.log():
+        if "l2_norms" in release:
+            spent_by[str(row["federation"])] += (release["l2_norms"] / float(release["noise_std"][0])) ** 2
+    state = AgentState.from_arrays(agent.ledger.state())
+    assert state.spent is not None
+    np.testing.assert_allclose(spent_by["alpha"] + spent_by["beta"], state.spent, rtol=1e-12, atol=0)
+    for name, quota in QUOTAS.items():
+        own = agent.quota_state(name)
+        assert own is not None and own.spent is not None
+        np.testing.assert_allclose(spent_by[name], own.spent, rtol=1e-12, atol=0)
+        assert np.all(spent_by[name] <= quota * threshold)
+    # Together they used the budget, not 1.2 budgets: a unit stops when the first of its limits is hit.
+    assert state.spent.max() > 0.99 * threshold * 0.5 and np.all(state.spent <= threshold)
+    assert ledger_federations(agent) == ["alpha", "beta"]
+    path = agent.ledger.path
+    agent.close()
+    assert verify_ledger(path) == []  # the global filter's replay of every release gives the stored state
+
+
+def ledger_federations(agent: Agent) -> list[str]:
+    return agent.ledger.federations()
+
+
+def test_a_federation_draining_its_quota_leaves_the_other_its_share(tmp_path: Path) -> None:
+    """The hostile coordinator of 'alpha' asks the largest requests its policy allows until its quota is spent;
+    'beta' is still answered with every unit active, and what it may spend is the rest of the budget."""
+    agent = Agent(parse_agent_config(two_federations(tmp_path), simulation=True))
+    assert agent.gaussian is not None
+    threshold = agent.gaussian.threshold
+    for i in range(1, 30):
+        outcome = ask(agent, gradient_request(f"a{i}", round=i, noise_std=0.5, trust="central"), "alpha")
+        assert not outcome.is_error
+    alpha = agent.quota_state("alpha")
+    assert alpha is not None and alpha.stopped is not None and alpha.spent is not None
+    assert alpha.stopped.all() and np.all(alpha.spent <= 0.5 * threshold)
+    last = ask(agent, gradient_request("a99", trust="central"), "alpha")
+    reply = wire.ContributionReply.decode(last.config, last.arrays)
+    assert reply.status == wire.REPLY_EXHAUSTED  # stopped for alpha, as any stop looks in central trust
+    outcome = ask(agent, gradient_request("b1", noise_std=20.0, trust="central"), "beta")
+    reply = wire.ContributionReply.decode(outcome.config, outcome.arrays)
+    assert reply.status == wire.REPLY_OK and np.any(reply.total != 0)
+    beta = agent.quota_state("beta")
+    assert beta is not None and beta.stopped is not None and not beta.stopped.any()
+    # The same request id in the two federations is two requests: one coordinator cannot replay another's.
+    again = ask(agent, gradient_request("a1", round=1, noise_std=4.0, trust="central"), "beta")
+    assert not again.is_error
+    agent.close()
+
+
+def test_the_default_cap_refuses_a_drain_in_one_request_and_charges_nothing(tmp_path: Path) -> None:
+    """The hostile request of the deployment walk-through (noise 1e-6, clip 1e6) spent 40 of 40 budgets at once;
+    a default agent (a quarter of the budget per request) refuses it, and answers a request under the cap."""
+    cfg = node_config(tmp_path)
+    del cfg["policy-max-request-share"]  # the product's default
+    agent = Agent(parse_agent_config(cfg, simulation=True))
+    assert agent.config.policy.max_request_share == 0.25 and agent.gaussian is not None
+    before = agent.ledger.state()["spent"].copy()
+    outcome = ask(agent, gradient_request("drain", noise_std=1e-6, l2_clip=1e6), "default")
+    assert outcome.error_code == wire.ERR_POLICY
+    assert "policy-max-request-share = 0.25" in outcome.local_detail
+    assert outcome.error_reason == wire.ERROR_TEXT[wire.ERR_POLICY]  # fixed text on the wire
+    np.testing.assert_array_equal(agent.ledger.state()["spent"], before)
+    assert agent.ledger.requests_answered() == 0
+    # Exactly at the cap: answered, and no unit pays more than a quarter of its budget.
+    sigma = 1.0 / np.sqrt(0.25 * agent.gaussian.threshold)
+    outcome = ask(agent, gradient_request("at-cap", noise_std=float(sigma) * (1 + 1e-9)), "default")
+    assert not outcome.is_error, outcome.local_detail
+    assert agent.ledger.state()["spent"].max() <= 0.25 * agent.gaussian.threshold
+    agent.close()
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.5, float("nan")])
+def test_a_request_share_outside_0_1_is_refused_at_start(tmp_path: Path, share: float) -> None:
+    with pytest.raises(AgentConfigError, match=r"policy-max-request-share: expected a share of the budget in \(0, 1\]"):
+        parse_agent_config(node_config(tmp_path, **{"policy-max-request-share": share}), simulation=True)
+
+
+@pytest.mark.parametrize(
+    ("federations", "message"),
+    [
+        ({"a": {"quota": 0.0}}, r"federations.a.quota: expected a share of every unit's budget in \(0, 1\]"),
+        ({"a": {"quota": 1.5}}, r"federations.a.quota: expected a share"),
+        ({"a b": {}}, "federations: expected a name of 1-64 letters"),
+        ({"a": {"color": "red"}}, r"federations.a: unknown keys \['color'\]"),
+        ({"a": {"monitor": True}, "b": {"monitor": True}}, "at most one federation may use it"),
+        ({"a": {"socket": "/x/s"}, "b": {"socket": "/x/s"}}, "one socket per federation"),
+    ],
+)
+def test_bad_federation_tables_are_refused_naming_what_was_expected(
+    tmp_path: Path, federations: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(AgentConfigError, match=message):
+        parse_agent_config(node_config(tmp_path) | {"federations": federations}, simulation=True)
+
+
+def test_an_unknown_federation_is_never_answered(tmp_path: Path) -> None:
+    agent = Agent(parse_agent_config(two_federations(tmp_path), simulation=True))
+    outcome = ask(agent, gradient_request("g", trust="central"), "gamma")
+    assert outcome.is_error and "expected one of ['alpha', 'beta']" in outcome.local_detail
+    assert agent.ledger.requests_answered() == 0
+    agent.close()
+
+
+def test_only_the_federation_holding_the_monitor_reservation_may_query_it(tmp_path: Path) -> None:
+    cfg = two_federations(tmp_path, monitor="svt", **{"monitor-epsilon": 0.1})
+    cfg["federations"]["alpha"]["monitor"] = True
+    agent = Agent(parse_agent_config(cfg, simulation=True))
+    monitor = wire.MonitorRequest("m1", "run", 1, trust="central")
+    refused = ask(agent, monitor, "beta")
+    assert refused.error_code == wire.ERR_POLICY and "for federation 'beta'" in refused.local_detail
+    answered = ask(agent, monitor, "alpha")
+    assert not answered.is_error
+    agent.close()
+
+
+def test_two_workloads_on_one_ledger_each_request_resolves_to_its_own(tmp_path: Path) -> None:
+    from examples.gn_regression import workload as example
+
+    extra = "examples.gn_regression.workload:WORKLOAD"
+    agent = Agent(parse_agent_config(node_config(tmp_path, workloads=[extra]), simulation=True))
+    assert [w.name for w in agent.workloads] == ["builtin", example.WORKLOAD.name]
+    assert agent.workload_of(gradient_request()).name == "builtin"
+    status = json.loads(ask(agent, wire.StatusRequest("s", "run", 0), "default").config["description"])
+    assert [w["name"] for w in status["workloads"]] == ["builtin", example.WORKLOAD.name]
+    # Both charge the same filter: the builtin model's gradient and the builtin query, one ledger.
+    assert not ask(agent, gradient_request("g1"), "default").is_error
+    assert not ask(agent, indicator_request("q1"), "default").is_error
+    assert agent.ledger.requests_answered() == 2
+    agent.close()
+
+
+def test_a_name_registered_by_two_workloads_stops_the_agent(tmp_path: Path) -> None:
+    with pytest.raises(AgentConfigError, match="expected each model name in one workload, found 'logreg' in both"):
+        Agent(
+            parse_agent_config(node_config(tmp_path, workloads=["tests.unit.test_federations:TWIN"]), simulation=True)
+        )
+
+
+def _twin() -> Any:
+    import dataclasses
+
+    from workloads.builtin import BUILTIN
+
+    return dataclasses.replace(BUILTIN, name="twin", models={"logreg": BUILTIN.models["logreg"]}, queries={})
+
+
+TWIN = _twin()
+
+
+def test_one_secagg_key_in_two_federations_is_refused(tmp_path: Path) -> None:
+    from simulations.federation import secagg_identities
+
+    keys = secagg_identities(tmp_path / "ids", 2)[0]
+    table = {"secagg-identity-key": keys["secagg-identity-key"], "secagg-peers": keys["secagg-peers"]}
+    cfg = node_config(tmp_path, unit="client", trust="secagg") | {"federations": {"a": table, "b": dict(table)}}
+    with pytest.raises(AgentConfigError, match="expected one key per federation"):
+        Agent(parse_agent_config(cfg, simulation=True))
+
+
+def test_a_version_1_ledger_is_migrated_in_place_keeping_every_spend(tmp_path: Path) -> None:
+    cfg = node_config(tmp_path)
+    agent = Agent(parse_agent_config(cfg, simulation=True))
+    for i in range(3):
+        assert not ask(agent, gradient_request(f"g{i}", round=i + 1), "default").is_error
+    spent = agent.ledger.state()["spent"].copy()
+    path = agent.ledger.path
+    agent.close()
+    with sqlite3.connect(path) as conn:  # back to version 1's layout, as a ledger written before issue 23
+        conn.execute("DROP TABLE quotas")
+        conn.execute("ALTER TABLE requests DROP COLUMN federation")
+        conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    with pytest.raises(Exception, match="found 1 \\(an agent opening it migrates it"):
+        Ledger.open_existing(path)
+    agent = Agent(parse_agent_config(cfg, simulation=True))  # migrates, in one transaction
+    np.testing.assert_array_equal(agent.ledger.state()["spent"], spent)
+    assert [row["federation"] for row, _ in agent.ledger.log()] == ["default"] * 3
+    assert not ask(agent, gradient_request("g9", round=9), "default").is_error
+    agent.close()
+    with Ledger.open_existing(path) as ledger:
+        assert ledger.requests_answered() == 4
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+    assert verify_ledger(path) == []
+
+
+def test_quota_filters_are_the_global_filter_scaled() -> None:
+    from client_agent.agent import quota_filter
+    from client_agent.config import Federation
+
+    filt = GaussianFilter.gdp(epsilon=1.0, delta=1e-5)
+    assert quota_filter(filt, Federation("a", 0.3)).threshold == pytest.approx(0.3 * filt.threshold, rel=1e-15)
