@@ -394,7 +394,14 @@ class Agent:
             ledger["params"]["noise"] = "seeded (simulation)"  # the coordinator learns that, not the seed
         description = {"ledger": ledger, "policy": self.config.policy.describe(), "workload": self.workload.describe()}
         if len(self.workloads) > 1:
-            description["workloads"] = [w.describe() for w in self.workloads]
+            # Every name this agent answers, as one registry (what enrolment checks), and each workload.
+            described = [w.describe() for w in self.workloads]
+            description["workload"] = {
+                "name": "+".join(w["name"] for w in described),
+                "models": sorted(self._by_model),
+                "queries": {k: v for w in described for k, v in w["queries"].items()},
+            }
+            description["workloads"] = described
         fed = federation or self.config.served[0]
         description["federation"] = fed.describe()  # the owner's public choice, nothing about the data
         if request is not None and request.model is not None and request.model_args is not None:

@@ -451,9 +451,12 @@ class LocalDeployment:
     def start_agent_service(self, name: str, agent_toml: Path, *, timeout: float = 90.0) -> Service:
         """``fedfilter agent serve AGENT.toml`` (privacy.md §10); returns once its socket answers."""
         described = check_agent_file(agent_toml)
-        socket_path = described.get("agent-socket")
-        if not isinstance(socket_path, str):
-            raise DeploymentError(f"agent {name}: expected agent-socket in {agent_toml}, found none")
+        federations = described["federations"]
+        assert isinstance(federations, list)
+        sockets = [f.get("socket") for f in federations]
+        if not sockets or not all(isinstance(s, str) for s in sockets):
+            raise DeploymentError(f"agent {name}: expected agent-socket (or one per federation) in {agent_toml}")
+        socket_path = ", ".join(str(s) for s in sockets)
         home = self.root / "agents" / name
         home.mkdir(parents=True, exist_ok=True)
         argv = [self._tool("fedfilter"), "agent", "serve", str(agent_toml.resolve())]
@@ -494,6 +497,7 @@ class LocalDeployment:
         timeout: float = 90.0,
         agent: Service | None = None,
         launcher: NodeLauncher | None = None,
+        socket: Path | None = None,
     ) -> Service:
         """Start the agent service (unless ``agent`` is one still running), then a SuperNode that proxies to it.
 
@@ -501,14 +505,15 @@ class LocalDeployment:
         policy stay with the agent service. Waits for the SuperNode's node id; while the SuperLink
         refuses to activate the node (a crashed predecessor still counts as online), starts it
         again every few seconds for up to ``retry_for`` seconds. ``launcher`` (default: the
-        deployment's) starts this SuperNode, e.g. as its own OS user.
+        deployment's) starts this SuperNode, e.g. as its own OS user. ``socket``: the agent socket of
+        this SuperNode's federation, for an agent that serves several (default: its ``agent-socket``).
         """
         launcher = launcher or self.node_launcher
         if self.certs is None:
             raise DeploymentError("start the SuperLink first")
         if agent is None or not agent.alive():
             agent = self.start_agent_service(name, agent_toml)
-        socket_path = check_agent_file(agent_toml)["agent-socket"]
+        socket_path = str(socket) if socket is not None else check_agent_file(agent_toml)["agent-socket"]
         home = self.root / "agents" / name
         home.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + retry_for
