@@ -746,17 +746,18 @@ class Agent:
             # the batches and the noise from one stream, and the contribution would not be
             # independent of its noise (the Gaussian mechanism needs it to be).
             rng = self.rng(request).spawn(1)[0]
-            return contributions_of(local_rows(request, self.x, self.y, rng=rng, workload=self.workload))
+            return contributions_of(local_rows(request, self.x, self.y, rng=rng, workload=self.workload_of(request)))
         if isinstance(request, wire.GradientRequest):
             return gradient_contributions(
                 request,
                 self.source,
                 unit=self.config.unit,
-                workload=self.workload,
+                workload=self.workload_of(request),
                 device=self.config.device,
                 activation_budget=self.config.policy.max_activation_mb << 20,
             )
-        return contributions_of(indicator_rows(request, self.source, unit=self.config.unit, workload=self.workload))
+        workload = self.workload_of(request)
+        return contributions_of(indicator_rows(request, self.source, unit=self.config.unit, workload=workload))
 
     def release(
         self,

@@ -46,6 +46,8 @@ def agent_toml(root: Path, name: str = "agent", **over: Any) -> Path:
         "unit": "record",
         "trust": "local",
         "policy-min-noise-std": 1.0,
+        "policy-max-clip": 10.0,
+        "policy-max-request-share": 1.0,  # these tests spend budgets in a few requests
     } | over
     return write_agent_toml(root / f"{name}.toml", values)
 

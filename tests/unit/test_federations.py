@@ -205,11 +205,27 @@ def test_two_workloads_on_one_ledger_each_request_resolves_to_its_own(tmp_path: 
     assert agent.workload_of(gradient_request()).name == "builtin"
     status = json.loads(ask(agent, wire.StatusRequest("s", "run", 0), "default").config["description"])
     assert [w["name"] for w in status["workloads"]] == ["builtin", example.WORKLOAD.name]
-    # Both charge the same filter: the builtin model's gradient and the builtin query, one ledger.
-    assert not ask(agent, gradient_request("g1"), "default").is_error
-    assert not ask(agent, indicator_request("q1"), "default").is_error
-    assert agent.ledger.requests_answered() == 2
+    # All charge the same filter: the builtin model's gradient, the builtin query, and the example
+    # workload's model with its own loss, one ledger.
+    assert not ask(agent, gradient_request("g1", noise_std=20.0), "default").is_error
+    assert not ask(agent, indicator_request("q1", noise_std=20.0), "default").is_error
+    spent = agent.ledger.state()["spent"].copy()
+    regression = "workloads.regression:REGRESSION"
+    agent = _reopen(agent, node_config(tmp_path, workloads=[extra, regression]))
+    linreg = gradient_request(
+        "g2", model="linreg", model_args=json.dumps({"in_features": 3}), parameters=np.zeros(4, np.float32)
+    )
+    outcome = ask(agent, linreg, "default")
+    assert not outcome.is_error, outcome.local_detail
+    assert agent.workload_of(linreg).name == "regression"
+    assert np.all(agent.ledger.state()["spent"] >= spent) and np.any(agent.ledger.state()["spent"] > spent)
+    assert agent.ledger.requests_answered() == 3
     agent.close()
+
+
+def _reopen(agent: Agent, cfg: dict[str, Any]) -> Agent:
+    agent.close()
+    return Agent(parse_agent_config(cfg, simulation=True))
 
 
 def test_a_name_registered_by_two_workloads_stops_the_agent(tmp_path: Path) -> None:
