@@ -180,7 +180,8 @@ def test_a_deployed_agent_keeps_a_mark_by_default_and_verify_reports_a_rollback(
     from client_agent.config import parse_agent_config
     from tests.factories import node_config
 
-    config = parse_agent_config(node_config(tmp_path, **{"policy-min-noise-std": 1.0, "policy-max-clip": 10.0}))  # deployed
+    deployed = {"policy-min-noise-std": 1.0, "policy-max-clip": 10.0}  # a deployed agent states both
+    config = parse_agent_config(node_config(tmp_path, **deployed))
     assert config.high_water_path == default_path(tmp_path / "ledger.sqlite")
     agent = Agent(config)
     request = wire.encode_request(gradient_request("g0"))

@@ -144,7 +144,7 @@ def test_policy_min_noise_std_has_a_safe_non_zero_default(tmp_path: Path) -> Non
     # A deployed agent has no default: its owner states the floor and the clip limit (issue 23).
     with pytest.raises(AgentConfigError, match="policy-min-noise-std and policy-max-clip: expected explicit values"):
         parse_agent_config(base)
-    with pytest.raises(AgentConfigError, match="^policy-max-clip: expected explicit values"):
+    with pytest.raises(AgentConfigError, match=r"^policy-max-clip: expected explicit values"):
         parse_agent_config(base | {"policy-min-noise-std": 0.5})
 
 
