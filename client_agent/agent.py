@@ -711,10 +711,20 @@ class Agent:
             return None
         stored = self.ledger.quota_state(federation)
         if stored is None:
+            # Its first request, or a ledger migrated from version 1 whose past requests are all federation
+            # "default": the quota starts from what the federation's stored releases charged (their sum in
+            # commit order, as the charge adds them), and a unit stopped everywhere is stopped for it too.
+            spent = np.zeros(self.n_units)
+            for _, arrays in self.ledger.log(federation=federation):
+                if "l2_norms" in arrays and "noise_std" in arrays:
+                    cost = np.divide(np.asarray(arrays["l2_norms"], np.float64), float(arrays["noise_std"][0]))
+                    spent = cost * cost + spent
+            state = AgentState.from_arrays(self.ledger.state())
+            assert state.stopped is not None
             return AgentState(
-                halt_round=np.full(self.n_units, -1, dtype=np.int64),
-                spent=np.zeros(self.n_units),
-                stopped=np.zeros(self.n_units, dtype=np.bool_),
+                halt_round=np.where(state.stopped, state.halt_round, -1).astype(np.int64),
+                spent=spent,
+                stopped=np.array(state.stopped),
             )
         return AgentState(halt_round=stored["halt_round"], spent=stored["spent"], stopped=stored["stopped"])
 

@@ -178,6 +178,38 @@ def _replay_problems(ledger: Ledger) -> list[str]:
         problems.append(f"{int((rebuilt.stopped != stored.stopped).sum())} units' stopped flags differ from replay")
     if np.any(stored.spent > filt.threshold):
         problems.append("a unit's stored spend exceeds the filter's threshold")
+    return problems + _quota_problems(ledger)
+
+
+def _quota_problems(ledger: Ledger) -> list[str]:
+    """Where a federation's stored quota spend is not the sum, in commit order, of what its releases charged.
+
+    The same arithmetic as the charge (cost (norm / noise_std)^2 added to the spend so far), so a ledger
+    the agent wrote replays exactly; a quota state edited, or a release moved to another federation, does
+    not. (The quota itself is the owner's configuration, not the ledger's: it is not checked here.)
+    """
+    n = ledger.config.n_units
+    sums: dict[str, np.ndarray] = {}
+    for row, arrays in ledger.log():
+        if "l2_norms" not in arrays or "noise_std" not in arrays or "losses" in arrays:
+            continue
+        federation = str(row["federation"])
+        spent = sums.setdefault(federation, np.zeros(n))
+        cost = np.divide(np.asarray(arrays["l2_norms"], dtype=np.float64), float(np.asarray(arrays["noise_std"])[0]))
+        np.multiply(cost, cost, out=cost)
+        sums[federation] = cost + spent
+    problems = []
+    for federation in ledger.federations():
+        quota = ledger.quota_state(federation)
+        if quota is None:
+            continue
+        replayed = sums.get(federation, np.zeros(n))
+        if not np.array_equal(replayed, np.asarray(quota["spent"])):
+            worst = int(np.argmax(np.abs(replayed - np.asarray(quota["spent"]))))
+            problems.append(
+                f"federation {federation!r}, unit {worst}: stored quota spend {float(quota['spent'][worst])!r} but its "
+                f"releases add up to {float(replayed[worst])!r}"
+            )
     return problems
 
 

@@ -288,3 +288,29 @@ def test_quota_filters_are_the_global_filter_scaled() -> None:
 
     filt = GaussianFilter.gdp(epsilon=1.0, delta=1e-5)
     assert quota_filter(filt, Federation("a", 0.3)).threshold == pytest.approx(0.3 * filt.threshold, rel=1e-15)
+
+
+def test_ledger_verify_replays_each_federations_quota_and_finds_an_edited_one(tmp_path: Path) -> None:
+    import io
+
+    agent = Agent(parse_agent_config(two_federations(tmp_path), simulation=True))
+    for i in range(1, 4):
+        for fed in QUOTAS:
+            ask(agent, gradient_request(f"{fed}{i}", round=i, noise_std=8.0, trust="central"), fed)
+    path = agent.ledger.path
+    agent.close()
+    assert verify_ledger(path) == []
+    with sqlite3.connect(path) as conn:  # a quota state lowered by hand, its checksum made to match
+        (blob,) = conn.execute("SELECT blob FROM quotas WHERE federation = 'alpha'").fetchone()
+        arrays = dict(np.load(io.BytesIO(blob)))
+        arrays["spent"] = arrays["spent"] * 0.5
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        import hashlib
+
+        new = buf.getvalue()
+        conn.execute(
+            "UPDATE quotas SET blob = ?, sha256 = ? WHERE federation = 'alpha'", (new, hashlib.sha256(new).hexdigest())
+        )
+    problems = verify_ledger(path)
+    assert len(problems) == 1 and problems[0].startswith("federation 'alpha', unit ")
