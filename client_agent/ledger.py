@@ -758,15 +758,20 @@ class _Contents:
 
 
 @functools.cache
-def _expected_schema() -> frozenset[tuple[str, str, str, str | None]]:
-    """Every object a fedfilter ledger's schema holds: the tables, their indexes and SQLite's autoindexes."""
+def _schema_objects(statements: tuple[str, ...]) -> frozenset[tuple[str, str, str, str | None]]:
+    """Every object the schema ``statements`` make: the tables, their indexes and SQLite's autoindexes."""
     conn = sqlite3.connect(":memory:")
     try:
-        for statement in _SCHEMA:
+        for statement in statements:
             conn.execute(statement)
         return frozenset(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
     finally:
         conn.close()
+
+
+def _expected_schema() -> frozenset[tuple[str, str, str, str | None]]:
+    """Every object a fedfilter ledger's schema holds (this version's)."""
+    return _schema_objects(_SCHEMA)
 
 
 def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
@@ -822,17 +827,6 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
     return _Contents(config, layout, ledger_id, int(schema_version), foreign, meta.get("high_water") == "kept")
 
 
-@functools.cache
-def _schema_v1() -> frozenset[tuple[str, str, str, str | None]]:
-    conn = sqlite3.connect(":memory:")
-    try:
-        for statement in _SCHEMA_V1:
-            conn.execute(statement)
-        return frozenset(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
-    finally:
-        conn.close()
-
-
 def _migrate(path: Path) -> None:
     """Bring a version-1 ledger to version 2 in one transaction; any other ledger is left as it is.
 
@@ -854,7 +848,7 @@ def _migrate(path: Path) -> None:
             conn.execute("PRAGMA trusted_schema = OFF")
             (app_id,) = conn.execute("PRAGMA application_id").fetchone()
             objects = set(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
-            if app_id != APPLICATION_ID or objects != _schema_v1():
+            if app_id != APPLICATION_ID or objects != _schema_objects(_SCHEMA_V1):
                 return  # a version-2 ledger, or a file the open that follows refuses
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is None or row[0] != "1":
