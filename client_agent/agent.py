@@ -33,7 +33,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from client_agent import secagg_client
-from client_agent.config import DEFAULT_FEDERATION, AgentConfig, AgentConfigError, Federation, PolicyError
+from client_agent.config import AgentConfig, AgentConfigError, Federation, PolicyError
 from client_agent.identity import load_identity, load_peers
 from client_agent.ledger import FederationLedger, Ledger, LedgerConfig, LedgerError, qualified_id
 from client_agent.records import GaussianRecord, MonitorRecord, RealisationRecord
@@ -276,6 +276,7 @@ class Agent:
         # first workload opens the data; every model and query name resolves to exactly one workload.
         self.workload, self.source = open_client_data(config)
         self.workloads = (self.workload, *(load_workload(ref) for ref in config.extra_workloads))
+        self._federation = config.served[0].name  # the federation of the request being answered
         self._by_model, self._by_query = _name_index(self.workloads)
         fingerprint = self.source.fingerprint()
         self.n_units = len(self.source) if config.unit == "record" else 1
@@ -344,12 +345,15 @@ class Agent:
         message_type: str,
         config: dict[str, Any],
         arrays: dict[str, NDArray[Any]],
-        federation: str = DEFAULT_FEDERATION,
+        federation: str | None = None,
     ) -> Outcome:
         """One request from ``federation`` (the socket it came over); a failure is a typed error and spends nothing.
 
         Every request, answered or refused, leaves one line in the owner's audit log (:meth:`audit`)."""
+        if federation is None:  # an in-process agent: its one federation (with several, the caller must say)
+            federation = self.config.served[0].name if len(self.config.served) == 1 else ""
         self._audit_entry: dict[str, Any] = {}
+        self._federation = federation
         outcome = self._handle(message_type, config, arrays, federation)
         self.audit(message_type, config, federation, outcome)
         return outcome
@@ -359,7 +363,10 @@ class Agent:
     ) -> Outcome:
         try:
             request = wire.decode_request(message_type, config, arrays)
-            fed = self.config.federation(federation)
+            try:
+                fed = self.config.federation(federation)
+            except AgentConfigError as exc:  # a socket of no configured federation: refused, fixed text
+                raise PolicyError(str(exc)) from exc
             if isinstance(request, wire.StatusRequest):
                 if wire.STATUS not in self.config.policy.allowed_kinds:
                     raise PolicyError(f"request kind {wire.STATUS!r} is not allowed by policy-allowed-kinds")
@@ -483,7 +490,9 @@ class Agent:
                 f"round {used + 1} of run {request.run_id!r} asked; the policy allows at most "
                 f"{policy.max_rounds_per_run} requests per run"
             )
-        today = self.ledger.requests_since(datetime.now(UTC) - timedelta(days=1))
+        # Per federation, like the run limit: a shared count would let one coordinator block another, and
+        # tell it how many requests the other made (privacy.md §11).
+        today = self.ledger.requests_since(datetime.now(UTC) - timedelta(days=1), fed.name)
         if today >= policy.max_requests_per_day:
             raise PolicyError(
                 f"request {today + 1} in the last 24 hours asked; the policy allows at most "
@@ -737,8 +746,11 @@ class Agent:
         """
         if self.config.noise_seed is None:
             return np.random.default_rng()
-        # The whole SHA-256 digest of (seed, ledger id) seeds the stream, not 64 bits of it.
-        text = f"{self.config.noise_seed}|{secagg_client.ledger_id(request)}"
+        # The whole SHA-256 digest of (seed, ledger id) seeds the stream, not 64 bits of it. The ledger id
+        # as stored, in its federation's namespace: two federations may send one request id, and the same
+        # draw in both replies would cancel in a weighted difference of them (for "default": the bare id,
+        # so seeded runs reproduce as before).
+        text = f"{self.config.noise_seed}|{qualified_id(self._federation, secagg_client.ledger_id(request))}"
         return np.random.default_rng(int.from_bytes(hashlib.sha256(text.encode()).digest(), "little"))
 
     def contributions(self, request: wire.GradientRequest | wire.IndicatorRequest) -> Contributions:
@@ -834,8 +846,8 @@ class Agent:
                 partial_clip(self.gaussian, fstate, noise_std=sigma, l2_clip=clip),
                 partial_clip(qfilter, qstate, noise_std=sigma, l2_clip=clip),
             )
-            if cap is not None:
-                np.minimum(bounds, sigma * np.sqrt(cap), out=bounds)
+            if cap is not None:  # secagg: the rounding slack is charged on top, so it comes off the cap too
+                np.minimum(bounds, max(sigma * np.sqrt(cap) - slack, 0.0), out=bounds)
             # secagg: a unit whose room sigma sqrt(T - S) is at most the rounding slack cannot pay
             # for any masked input again; it stops now (it would otherwise neither take part nor stop).
             room = sigma * np.sqrt(np.minimum(remaining(self.gaussian, fstate), remaining(qfilter, qstate))) - slack

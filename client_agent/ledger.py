@@ -548,12 +548,16 @@ class Ledger:
         sql = "SELECT COUNT(*) FROM requests WHERE run_id = ? AND federation = ?"
         return int(self._query_one(sql, (run_id, federation))[0])
 
-    def requests_since(self, moment: datetime) -> int:
-        """How many requests this ledger has answered at or after ``moment`` (a UTC datetime), over all runs."""
+    def requests_since(self, moment: datetime, federation: str | None = None) -> int:
+        """How many requests this ledger has answered at or after ``moment`` (a UTC datetime), over all runs
+        (of ``federation``, when given)."""
         if moment.tzinfo is None:
             raise LedgerError(f"ledger {self._path}: expected a timezone-aware moment, found {moment!r}")
         since = moment.astimezone(UTC).isoformat(timespec="microseconds")
-        return int(self._query_one("SELECT COUNT(*) FROM requests WHERE created_at >= ?", (since,))[0])
+        if federation is None:
+            return int(self._query_one("SELECT COUNT(*) FROM requests WHERE created_at >= ?", (since,))[0])
+        sql = "SELECT COUNT(*) FROM requests WHERE created_at >= ? AND federation = ?"
+        return int(self._query_one(sql, (since, federation))[0])
 
     def recent(self, limit: int) -> list[dict[str, object]]:
         """The last ``limit`` requests answered, newest first: seq, time, message type, run id and request id."""

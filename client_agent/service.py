@@ -356,6 +356,18 @@ def serve(config: AgentConfig, *, ready: threading.Event | None = None, stop: th
     stop = stop or threading.Event()
     feds = config.served
     allowed = {fed.name: peer_uids(fed) for fed in feds}
+    for i, one in enumerate(feds):
+        for other in feds[i + 1 :]:
+            if shared := allowed[one.name] & allowed[other.name]:
+                # Not a privacy loss (the one filter per unit bounds both), but the quotas no longer separate
+                # them: a bundle of either federation can ask through both sockets (docs/deploy.md).
+                LOG.warning(
+                    "federations %r and %r both answer uid %s: their quotas do not separate them; give each "
+                    "federation's SuperNode a user of its own",
+                    one.name,
+                    other.name,
+                    sorted(shared),
+                )
     for fed in feds:
         assert fed.socket_path is not None
         check_socket_folder(fed.socket_path)

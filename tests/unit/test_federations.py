@@ -314,3 +314,52 @@ def test_ledger_verify_replays_each_federations_quota_and_finds_an_edited_one(tm
         )
     problems = verify_ledger(path)
     assert len(problems) == 1 and problems[0].startswith("federation 'alpha', unit ")
+
+
+def _agent_of(tmp_path: Path, data: Any = None, **over: Any) -> Agent:
+    cfg = node_config(tmp_path, data or client_data(20, seed=3), **over)
+    cfg["federations"] = {"alpha": {"quota": 0.5}, "beta": {"quota": 0.5}}
+    return Agent(parse_agent_config(cfg, simulation=True))
+
+
+def test_seeded_noise_is_not_reused_across_federations(tmp_path: Path) -> None:
+    """Two colluding coordinators send the same request id on their own sockets, at noise 10 and 20 (review finding).
+
+    Agent.rng once seeded the draw with the *unqualified* ledger id, so both replies carried the same
+    standard normal draw z: reply_a = c + 10z, reply_b = c + 20z, and 2*reply_a - reply_b = c, the exact count.
+    """
+    x, y = client_data(20, seed=3)
+    agent = _agent_of(tmp_path, (x, y), **{"noise-seed": 7})
+    req = dict(predicate="label", column=0, value=1.0, l2_clip=1.0)
+    a = ask(agent, indicator_request("same-id", noise_std=10.0, **req), "alpha")
+    b = ask(agent, indicator_request("same-id", noise_std=20.0, **req), "beta")
+    assert not a.is_error and not b.is_error, (a.local_detail, b.local_detail)
+    ra = wire.ContributionReply.decode(a.config, a.arrays).total.astype(np.float64)
+    rb = wire.ContributionReply.decode(b.config, b.arrays).total.astype(np.float64)
+    exact = float(np.count_nonzero(y == 1))
+    recovered = 2 * ra - rb
+    # With independent noise, 2*ra - rb ~ N(c, 800): recovering c to 1e-4 has probability ~3e-5.
+    assert not np.allclose(recovered, exact, atol=1e-4), f"noise cancelled: recovered the exact count {recovered}"
+
+
+def test_one_federation_cannot_exhaust_the_daily_request_limit_of_another(tmp_path: Path) -> None:
+    """alpha spends the agent-wide per-day request limit; beta (which asked nothing) is then refused.
+
+    check_policy once counted ledger.requests_since(...) over every federation: one coordinator blocks the
+    other (availability), and beta's refusal tells it how many requests alpha made (activity leak).
+    """
+    agent = _agent_of(tmp_path, **{"policy-max-requests-per-day": 3})
+    for i in range(3):
+        out = ask(agent, indicator_request(f"a{i}", round=i + 1, noise_std=50.0), "alpha")
+        assert not out.is_error, out.local_detail
+    out = ask(agent, indicator_request("b0", noise_std=50.0), "beta")
+    assert not out.is_error, f"beta refused because of alpha's requests: {out.local_detail}"
+
+
+def test_a_federation_not_configured_is_a_policy_refusal_with_fixed_text(tmp_path: Path) -> None:
+    agent = _agent_of(tmp_path)
+    out = ask(agent, indicator_request("q", noise_std=50.0), "gamma")
+    assert out.error_code == wire.ERR_POLICY and out.error_reason == wire.ERROR_TEXT[wire.ERR_POLICY]
+    # Without a federation, an agent of several cannot guess which one asks: refused the same way.
+    config, arrays = wire.encode_request(indicator_request("q2", noise_std=50.0))
+    assert agent.handle(wire.INDICATOR, config, arrays).error_code == wire.ERR_POLICY
