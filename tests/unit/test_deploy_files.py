@@ -62,6 +62,14 @@ def test_check_agent_file(tmp_path: Path) -> None:
     path = write_agent_toml(tmp_path / "agent.toml", {**good, "epsilon": 1.0, "delta": 1e-6, **POLICY})
     described = check_agent_file(path)
     assert described["units"] == 5 and described["ledger"] == "created at the first request"
+    # What one request can cost at most: min((C / sigma_min)^2, share * T), here (5 / 0.5)^2 = 100 > T / 4.
+    from protocol.filters import GaussianFilter
+
+    threshold = GaussianFilter.gdp(epsilon=1.0, delta=1e-6).threshold
+    most = described["effective_policy"]["one_request_costs_at_most"]  # type: ignore[index]
+    assert most["set_by"] == "policy-max-request-share" and most["share_of_budget"] == pytest.approx(0.25)
+    assert most["S"] == pytest.approx(0.25 * threshold) and most["requests_to_spend_a_budget_at_least"] == 4
+    assert described["federations"] == [{"name": "default", "quota": 1.0, "monitor": True, "socket": None}]
     assert not (tmp_path / "ledger.sqlite").exists()  # checking creates nothing
     # Relative paths in the file resolve against the file's folder, wherever the SuperNode runs.
     (tmp_path / "sub").mkdir()
