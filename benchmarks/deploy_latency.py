@@ -81,7 +81,9 @@ def main() -> None:
     sim_cfg = CoordinatorConfig.from_run_config(
         {**run_config, "run-id": "bench-sim", "output-dir": str(root / "runs" / "sim")}
     )
-    per = write_clients(root / "sim-clients", parts, ledger_dir=root / "sim-clients" / "ledgers", **AGENT)
+    per = write_clients(
+        root / "sim-clients", parts, ledger_dir=root / "sim-clients" / "ledgers", **AGENT, policy_max_request_share=1.0
+    )
     started = time.monotonic()
     sim = run_flower(sim_cfg, per)
     sim_wall = time.monotonic() - started

@@ -83,7 +83,15 @@ class Measured(InProcessTransport):
 def measure(n: int, trust: str, rounds: int, root: Path) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     parts = [(rng.normal(size=(RECORDS, 784)).astype(np.float32), rng.integers(0, 10, RECORDS)) for _ in range(n)]
-    per = write_clients(root / f"{trust}{n}", parts, epsilon=1000.0, delta=1e-5, unit="client", trust=trust)
+    per = write_clients(
+        root / f"{trust}{n}",
+        parts,
+        epsilon=1000.0,
+        delta=1e-5,
+        unit="client",
+        trust=trust,
+        policy_max_request_share=1.0,
+    )
     cfg = CoordinatorConfig(
         num_nodes=n,
         n_public=n,

@@ -62,6 +62,7 @@ def federation(clients: int, root: Path) -> tuple[dict[int, dict[str, Any]], lis
         trust="central",
         filter="gdp",
         noise_seed=0,
+        policy_max_request_share=1.0,
     )
     return per, [Path(per[i]["data-path"]) for i in range(clients)]
 

@@ -10,19 +10,36 @@ import numpy as np
 
 
 def write_clients(
-    root: Path, parts: Sequence[tuple[np.ndarray, np.ndarray]], *, ledger_dir: Path | None = None, **agent: Any
+    root: Path,
+    parts: Sequence[tuple[np.ndarray, np.ndarray]],
+    *,
+    ledger_dir: Path | None = None,
+    plan: tuple[float, float] | None = None,
+    **agent: Any,
 ) -> dict[int, dict[str, Any]]:
     """Write ``data{i}.npz`` per client and return the per-partition agent configs (node-config keys).
 
     ``agent`` holds node-config keys with underscores or dashes (``epsilon=3``, ``monitor_noise_std=4``);
-    a key whose value is None is left out. Ledgers go to ``ledger_dir/client{i}.sqlite`` (default
-    ``root/ledgers``); ledgers already there are kept, with every spend they hold.
+    a key whose value is None is left out. ``plan``: the run's (noise_std, l2_clip), from which the agents'
+    ``policy-max-request-share`` is set when one round costs more than the default allows. Ledgers go to
+    ``ledger_dir/client{i}.sqlite`` (default ``root/ledgers``); ledgers already there are kept, with every
+    spend they hold.
     """
     root = root.resolve()  # agents need absolute paths: a ClientApp may run in another folder
     root.mkdir(parents=True, exist_ok=True)
     ledgers = (ledger_dir if ledger_dir is not None else root / "ledgers").resolve()
     ledgers.mkdir(parents=True, exist_ok=True)
     common = {k.replace("_", "-"): v for k, v in agent.items() if v is not None}
+    if plan is not None and "policy-max-request-share" not in common:
+        # The run's (noise_std, clip): the agents' per-request cap is stated as what one of its rounds costs
+        # when that is more than the default quarter (a few large rounds), else left at the default.
+        common["policy-max-request-share"] = request_share(
+            str(common.get("filter", "gdp")),
+            epsilon=float(common["epsilon"]) - float(common.get("monitor-epsilon", 0.0)),
+            delta=float(common["delta"]),
+            noise_std=plan[0],
+            clip=plan[1],
+        )
     seed = common.pop("noise-seed", None)
     per: dict[int, dict[str, Any]] = {}
     for pid, (x, y) in enumerate(parts):

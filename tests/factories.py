@@ -262,4 +262,4 @@ def federation(
     from simulations.federation import write_clients
 
     x, y = synthetic_classification(clients * records + held_out, features, 2, seed=seed, separation=separation)
-    return write_clients(root, split(x, y, clients, records), **agent), x, y
+    return write_clients(root, split(x, y, clients, records), **agent, policy_max_request_share=1.0), x, y

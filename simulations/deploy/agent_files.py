@@ -52,7 +52,8 @@ def write_agent_files(root: Path, parts: Sequence[tuple[np.ndarray, np.ndarray]]
     from simulations.federation import request_share
 
     root = root.resolve()
-    agent = {k.replace("_", "-"): v for k, v in agent.items()}
+    values: dict[str, Any] = {k.replace("_", "-"): v for k, v in agent.items()}
+    agent = values
     agent.setdefault("policy-min-noise-std", 1.0)
     agent.setdefault("policy-max-clip", 1.0)
     if "policy-max-request-share" not in agent:
@@ -63,7 +64,7 @@ def write_agent_files(root: Path, parts: Sequence[tuple[np.ndarray, np.ndarray]]
             noise_std=float(agent["policy-min-noise-std"]),  # type: ignore[arg-type]
             clip=float(agent["policy-max-clip"]),  # type: ignore[arg-type]
         )
-    per = write_clients(root, parts, ledger_dir=root / "ledgers", **agent)
+    per = write_clients(root, parts, ledger_dir=root / "ledgers", **values)
     return [
         write_agent_toml(root / f"agent{pid}.toml", per[pid] | {"agent-socket": str(root / f"agent{pid}.sock")})
         for pid in sorted(per)

@@ -20,6 +20,7 @@ def mnist_gd(opts: Options, out: Path) -> Plan:
     per = client_files(
         out,
         parts,
+        plan=(sigma, clip),
         epsilon=eps,
         delta=delta,
         unit="record",

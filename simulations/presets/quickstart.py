@@ -40,6 +40,7 @@ def quickstart(opts: Options, out: Path) -> Plan:
     per = client_files(
         out,
         parts,
+        plan=(sigma, clip),
         epsilon=eps,
         delta=delta,
         unit=unit,

@@ -23,6 +23,7 @@ def sparse_queries(opts: Options, out: Path) -> Plan:
     per = client_files(
         out,
         parts,
+        plan=(sigma, 1.0),
         epsilon=eps,
         delta=delta,
         unit="record",

@@ -61,6 +61,8 @@ def counting_federation(
         trust="local",
         noise_seed=opts.seed,
         **agent,
+        # FZ's counting queries spend a record's budget in a few large steps: stated, not the default cap.
+        policy_max_request_share=1.0,
     )
     cfg = counting_config(
         clients=clients,

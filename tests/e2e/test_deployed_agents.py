@@ -41,7 +41,11 @@ from simulations.deploy.local import (
 )
 from tests.e2e.common import make_parts, snapshot
 
-pytestmark = pytest.mark.flower
+# Slow (about 200 s, mostly a round timeout after the kill in run 1): the same properties run by default in
+# test_hostile_bundle.py (TLS and node authentication, an agent killed mid-request keeps its spend, a second
+# honest run), test_federations_deployed.py (a policy refusal on the deployment engine) and
+# tests/integration/test_client_agent_flower.py (a new node id keeps the ledger).
+pytestmark = [pytest.mark.flower, pytest.mark.slow]
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")

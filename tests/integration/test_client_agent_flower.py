@@ -39,7 +39,9 @@ def make_clients(root: Path, *, trust: str) -> dict[int, dict[str, object]]:
         # Half the records of each client have near-zero features: small gradients, long-lived units.
         x[RECORDS // 2 :] *= 0.01
         parts.append((x, (x[:, 0] > 0).astype(np.int64)))
-    return write_clients(root, parts, epsilon=2.0, delta=1e-5, unit="record", trust=trust, noise_seed=1)
+    return write_clients(
+        root, parts, epsilon=2.0, delta=1e-5, unit="record", trust=trust, noise_seed=1, policy_max_request_share=1.0
+    )
 
 
 def run(per: dict[int, dict[str, object]], *, run_id: str, rounds: int, trust: str) -> dict[str, object]:
@@ -68,7 +70,8 @@ def ledger_states(per: dict[int, dict[str, object]]) -> list[dict[str, np.ndarra
     return out
 
 
-@pytest.mark.parametrize("trust", ["local", "central"])
+# The ledger is keyed the same way in both trust modes: central trust runs on request (`pytest -m slow`).
+@pytest.mark.parametrize("trust", ["local", pytest.param("central", marks=pytest.mark.slow)])
 def test_spend_survives_new_run_and_node_ids(tmp_path: Path, trust: str) -> None:
     per = make_clients(tmp_path, trust=trust)
     first = run(per, run_id="run-1", rounds=4, trust=trust)

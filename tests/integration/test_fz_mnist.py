@@ -85,6 +85,9 @@ def test_results_file_with_a_broken_line_names_it(tmp_path: Path) -> None:
     assert [r["method"] for r in load_results(path)] == ["gd", "gdp"]
 
 
+# On request (`pytest -m slow`): run_federation and trial_record run in process in tests/unit/test_fz_campaign.py,
+# run_flower in tests/integration/test_coordinator_flower.py.
+@pytest.mark.slow
 @needs_mnist
 @pytest.mark.parametrize("engine", ["inprocess", pytest.param("flower", marks=pytest.mark.flower)])
 def test_small_trial_filters_records_and_appends_its_result(tmp_path: Path, engine: str) -> None:

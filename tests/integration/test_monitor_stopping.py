@@ -56,6 +56,7 @@ def test_monitor_stops_near_the_true_crossing(tmp_path: Path, trust: str, seed: 
         trust=trust,
         noise_seed=seed,
         **monitor,
+        policy_max_request_share=1.0,
     )
     cfg = CoordinatorConfig(
         num_nodes=CLIENTS,

@@ -33,6 +33,9 @@ def test_bad_simulate_option_is_a_clear_error(capsys: pytest.CaptureFixture[str]
     assert "--noise-std: expected a finite number > 0, got -1.0" in capsys.readouterr().err
 
 
+# On request (`pytest -m slow`): `fedfilter simulate` on Flower runs in tests/integration/test_workload_simulation.py,
+# the quickstart in process in tests/integration/test_local_training_federation.py.
+@pytest.mark.slow
 @pytest.mark.flower
 def test_quickstart_on_flower(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "qs"

@@ -306,17 +306,17 @@ def test_gd_and_renyi_rows_from_one_run_with_private_selection_charged(tmp_path:
 
 @needs_mnist
 def test_gdp_branches_from_the_gd_step_with_the_prefix_charged_in_its_own_ledgers(tmp_path: Path) -> None:
-    tuned = Tuned(steps=8, clip=1.0, learning_rate=2.0)  # suboptimal eps 0.3: GD 3 steps, filtered 8
+    tuned = Tuned(steps=5, clip=1.0, learning_rate=2.0)  # suboptimal eps 0.3: GD 2 steps, filtered 5
     first = Job(KIND_TRIAL, 0.3, "suboptimal", "gd+renyi", 2, tuned)
     rows = run_job(first, out=tmp_path / "renyi", train_limit=200, test_limit=300)
     gdp = Job(KIND_TRIAL, 0.3, "suboptimal", "gdp", 2, tuned)
     (branched,) = run_job(gdp, out=tmp_path / "gdp", train_limit=200, test_limit=300, rows=rows)
     (alone,) = run_job(gdp, out=tmp_path / "alone", train_limit=200, test_limit=300)  # no source: from round 1
-    assert "round_00003.npz" in branched["branched_from"] and "branched_from" not in alone
-    assert branched["rounds_completed"] == alone["rounds_completed"] == 8
-    assert branched["accuracy_by_round"][3] == rows[0]["final_accuracy"]  # the prefix's GD step, then its own
+    assert "round_00002.npz" in branched["branched_from"] and "branched_from" not in alone
+    assert branched["rounds_completed"] == alone["rounds_completed"] == 5
+    assert branched["accuracy_by_round"][2] == rows[0]["final_accuracy"]  # the prefix's GD step, then its own
     assert sorted(int(r) for r in branched["private_train_accuracy_by_round"]) == [5]  # counts after GD's step
-    assert branched["active_per_round"][:4] == [200] * 4
+    assert branched["active_per_round"][:3] == [200] * 3
     filt = GaussianFilter.gdp(epsilon=0.3, delta=DELTA)
     for pid in range(10):
         with Ledger.open_existing(tmp_path / "gdp" / "ledgers" / f"client{pid}.sqlite") as ledger:
@@ -326,11 +326,11 @@ def test_gdp_branches_from_the_gd_step_with_the_prefix_charged_in_its_own_ledger
         with Ledger.open_existing(tmp_path / "alone" / "ledgers" / f"client{pid}.sqlite") as ledger:
             scratch = list(ledger.releases())
         ids = [rid for rid, _, _ in releases]
-        # The prefix under the Rényi run's request ids, then the branch from round 4 under its own.
-        assert ids[:3] == [f"fz-0.3-suboptimal-renyi-2:gradient:r{r}" for r in (1, 2, 3)]
-        assert ids[3] == "fz-0.3-suboptimal-gdp-2:gradient:r4"
-        # The prefix charges exactly what a GDP run from round 1 charged for the same three steps.
-        for (_, _, got), (_, _, want) in zip(releases[:3], scratch[:3], strict=True):
+        # The prefix under the Rényi run's request ids, then the branch from round 3 under its own.
+        assert ids[:2] == [f"fz-0.3-suboptimal-renyi-2:gradient:r{r}" for r in (1, 2)]
+        assert ids[2] == "fz-0.3-suboptimal-gdp-2:gradient:r3"
+        # The prefix charges exactly what a GDP run from round 1 charged for the same two steps.
+        for (_, _, got), (_, _, want) in zip(releases[:2], scratch[:2], strict=True):
             np.testing.assert_array_equal(got["l2_norms"], want["l2_norms"])
         # And the stored spend is every release replayed, within the filter.
         total = sum(np.asarray(r["l2_norms"]) ** 2 / float(np.asarray(r["noise_std"])[0]) ** 2 for *_, r in releases)
