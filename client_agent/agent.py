@@ -277,6 +277,7 @@ class Agent:
         self.workload, self.source = open_client_data(config)
         self.workloads = (self.workload, *(load_workload(ref) for ref in config.extra_workloads))
         self._federation = config.served[0].name  # the federation of the request being answered
+        self._audit_entry: dict[str, Any] = {}  # what the request being answered cost (Agent.audit)
         self._by_model, self._by_query = _name_index(self.workloads)
         fingerprint = self.source.fingerprint()
         self.n_units = len(self.source) if config.unit == "record" else 1
@@ -350,19 +351,12 @@ class Agent:
         """One request from ``federation`` (the socket it came over); a failure is a typed error and spends nothing.
 
         Every request, answered or refused, leaves one line in the owner's audit log (:meth:`audit`)."""
-        if federation is None:  # an in-process agent: its one federation (with several, the caller must say)
-            federation = self.config.served[0].name if len(self.config.served) == 1 else ""
-        self._audit_entry: dict[str, Any] = {}
-        self._federation = federation
-        outcome = self._handle(message_type, config, arrays, federation)
-        self.audit(message_type, config, federation, outcome)
-        return outcome
-
-    def _handle(
-        self, message_type: str, config: dict[str, Any], arrays: dict[str, NDArray[Any]], federation: str
-    ) -> Outcome:
         try:
             request = wire.decode_request(message_type, config, arrays)
+            if federation is None:  # an in-process agent: its one federation (with several, the caller must say)
+                federation = self.config.served[0].name if len(self.config.served) == 1 else ""
+            self._audit_entry = {}
+            self._federation = federation
             try:
                 fed = self.config.federation(federation)
             except AgentConfigError as exc:  # a socket of no configured federation: refused, fixed text
@@ -370,22 +364,29 @@ class Agent:
             if isinstance(request, wire.StatusRequest):
                 if wire.STATUS not in self.config.policy.allowed_kinds:
                     raise PolicyError(f"request kind {wire.STATUS!r} is not allowed by policy-allowed-kinds")
-                return Outcome(*wire.StatusReply(request.request_id, self.status_json(request, fed)).encode())
-            digest = wire.request_digest(message_type, config, arrays)
-            # A secure-aggregation step is stored under its session, not its request id: at most once each.
-            # Each federation's ids live in their own namespace: one coordinator cannot replay another's.
-            stored = FederationLedger(self.ledger, fed.name).lookup(secagg_client.ledger_id(request))
-            if stored is not None:
-                if stored.digest != digest:
-                    raise ReplayError(secagg_client.replay_reason(request))
-                self._audit_entry = {"outcome": "replayed", "reply_bytes": len(stored.reply)}
-                return Outcome(*unpack_reply(stored.reply))
-            self.check_policy(request, fed)
-            return self.answer(request, digest, fed)
+                outcome = Outcome(*wire.StatusReply(request.request_id, self.status_json(request, fed)).encode())
+            else:
+                digest = wire.request_digest(message_type, config, arrays)
+                # A secure-aggregation step is stored under its session, not its request id: at most once
+                # each. Each federation's ids live in their own namespace: one cannot replay another's.
+                stored = FederationLedger(self.ledger, fed.name).lookup(secagg_client.ledger_id(request))
+                if stored is not None:
+                    if stored.digest != digest:
+                        raise ReplayError(secagg_client.replay_reason(request))
+                    self._audit_entry = {"outcome": "replayed", "reply_bytes": len(stored.reply)}
+                    outcome = Outcome(*unpack_reply(stored.reply))
+                else:
+                    self.check_policy(request, fed)
+                    outcome = self.answer(request, digest, fed)
         except Exception as exc:
             # Nothing left the client: the reply is released only after a successful commit, and
             # the commit is one transaction. A repeat with the same id is answered afresh.
-            return refusal(error_code(exc), message_type, config, exc)
+            outcome = refusal(error_code(exc), message_type, config, exc)
+        try:
+            self.audit(message_type, config, federation if federation is not None else self._federation, outcome)
+        except Exception as exc:  # the owner's log line is lost, never the answer (its charge is committed)
+            LOG.error("audit: the line for request %.80r was not written: %r", config.get("request_id"), exc)
+        return outcome
 
     def status_json(self, request: wire.StatusRequest | None = None, federation: Federation | None = None) -> str:
         """Public configuration only: no spend, and no fingerprint of the client's data.

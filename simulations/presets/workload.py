@@ -9,6 +9,7 @@ from typing import Any
 from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import model_evaluator
 from simulations.errors import SimulationError
+from simulations.federation import request_share
 from simulations.presets.base import Options, Plan, pick, worst_case_rounds
 from workloads.registry import WorkloadError, load_workload
 
@@ -49,6 +50,10 @@ def workload_demo(opts: Options, out: Path) -> Plan:
             "trust": trust,
             "filter": pick(opts.filter, "gdp"),
             "noise-seed": opts.seed * 1000 + pid,
+            # The run's per-round cost, when above the default quarter of the budget (a few large rounds).
+            "policy-max-request-share": request_share(
+                str(pick(opts.filter, "gdp")), epsilon=eps, delta=delta, noise_std=sigma, clip=clip
+            ),
         }
     n_units = records if unit == "record" else len(demo.clients)
     cfg = CoordinatorConfig(

@@ -37,7 +37,9 @@ sys.stdout.buffer.write(pickle.dumps((outcome.error_code, outcome.error_reason, 
 
 
 def setup(tmp_path: Path) -> tuple[dict[str, object], tuple[str, dict[str, object], dict[str, np.ndarray]]]:
-    node_config = factories.node_config(tmp_path, factories.client_data(20), epsilon=3.0)
+    # The deployed ClientApp's path (no simulation switch): a deployed agent states its noise floor and clip.
+    policy = {"policy-min-noise-std": 0.5, "policy-max-clip": 5.0}
+    node_config = factories.node_config(tmp_path, factories.client_data(20), epsilon=3.0, **policy)
     config, arrays = wire.encode_request(factories.gradient_request("run:r1:n1", noise_std=5.0))
     return node_config, (wire.GRADIENT, config, arrays)
 

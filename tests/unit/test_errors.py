@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any, cast
 
 import pytest
@@ -64,7 +65,9 @@ def raising(exc: BaseException) -> Any:
 def refused(monkeypatch: pytest.MonkeyPatch, exc: Exception) -> agent_module.Outcome:
     """What Agent.handle answers when the request's decoding raises ``exc`` (nothing else is reached)."""
     monkeypatch.setattr(wire, "decode_request", raising(exc))
-    return Agent.handle(cast(Agent, object()), wire.GRADIENT, {"request_id": "r1"}, {})
+    # An agent with nothing but its audit hook (every request, refused or not, leaves an audit line).
+    stub = types.SimpleNamespace(audit=lambda *args: None, _federation="default")
+    return Agent.handle(cast(Agent, stub), wire.GRADIENT, {"request_id": "r1"}, {})
 
 
 # Written out, not read from EXCEPTION_CODES: the codes the agent's handler gave before the table

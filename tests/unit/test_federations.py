@@ -363,3 +363,25 @@ def test_a_federation_not_configured_is_a_policy_refusal_with_fixed_text(tmp_pat
     # Without a federation, an agent of several cannot guess which one asks: refused the same way.
     config, arrays = wire.encode_request(indicator_request("q2", noise_std=50.0))
     assert agent.handle(wire.INDICATOR, config, arrays).error_code == wire.ERR_POLICY
+
+
+def test_every_request_answered_or_refused_leaves_one_audit_line_and_no_data(tmp_path: Path) -> None:
+    log = tmp_path / "audit.jsonl"
+    cfg = two_federations(tmp_path, **{"audit-log": str(log)})
+    del cfg["policy-max-request-share"]  # the default cap: the drain below is refused
+    agent = Agent(parse_agent_config(cfg, simulation=True))
+    assert not ask(agent, gradient_request("g1", noise_std=8.0, trust="central"), "alpha").is_error
+    assert ask(agent, gradient_request("g2", noise_std=1e-6, l2_clip=1e6, trust="central"), "beta").is_error
+    assert ask(agent, gradient_request("g1", noise_std=8.0, trust="central"), "alpha").config is not None  # replay
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(entry["federation"], entry["request_id"], entry["outcome"]) for entry in lines] == [
+        ("alpha", "g1", "answered"),
+        ("beta", "g2", "refused: policy"),
+        ("alpha", "g1", "replayed"),
+    ]
+    first = lines[0]
+    assert first["units_charged"] == agent.n_units and first["noise_std"] == 8.0 and first["workload"] == "builtin"
+    assert 0 < first["spend_share_max"] <= 1 and first["reply_bytes"] > 0
+    x, _ = client_data(20, seed=3)
+    assert all(f"{v:.6g}" not in log.read_text() for v in x.ravel()[:20])  # public fields and aggregates only
+    agent.close()
