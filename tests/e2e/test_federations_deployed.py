@@ -155,17 +155,20 @@ def spends(ledger_path: Path) -> tuple[np.ndarray, dict[str, Any]]:
 
 def test_a_hostile_federation_drains_its_own_quota_while_the_other_goes_on(setup: Setup) -> None:
     alpha, beta = setup.deps["alpha"], setup.deps["beta"]
-    alpha.run(setup.app, run_config("alpha-drain", 5, noise_std=HOSTILE_NOISE), timeout=600)
+    alpha.run(setup.app, run_config("alpha-drain", 3, noise_std=HOSTILE_NOISE), timeout=600)
     spent, quotas = spends(setup.ledger)
     assert quotas["alpha"] is not None and quotas["beta"] is None
-    assert quotas["alpha"]["stopped"].mean() >= 0.9  # drained: its records stopped for alpha
+    # Drained: round 1 costs a quarter of the budget, round 2 the rest of the quota (partial clipping) for
+    # every record whose gradient still reaches the clip; those stop for alpha. None goes past its quota.
+    assert quotas["alpha"]["stopped"].mean() >= 0.5
+    assert quotas["alpha"]["spent"].max() == pytest.approx(QUOTAS["alpha"] * THRESHOLD, rel=1e-3)
     assert np.all(quotas["alpha"]["spent"] <= QUOTAS["alpha"] * THRESHOLD)
     np.testing.assert_array_equal(spent, quotas["alpha"]["spent"])
     summary = beta.run(
         setup.app,
         run_config(
             "beta-regression",
-            2,
+            1,
             noise_std=8.0,
             model="linreg",
             **{"model-args": json.dumps({"in_features": 4}), "workload": "workloads.regression:REGRESSION"},

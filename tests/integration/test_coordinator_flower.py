@@ -187,6 +187,9 @@ def test_tree_monitor_stops_local_indicator_run(tmp_path: Path) -> None:
     assert reserved["levels"] == 7 and reserved["squared_cost"] == pytest.approx(7 / 64)
 
 
+# Slow (16 s on Flower): SVT in central trust runs by default in process (test_monitor_stopping.py) and
+# scripted with client units (tests/unit/test_coordinator_rounds.py); this is the same on Flower's engine.
+@pytest.mark.slow
 def test_central_client_units_with_svt_monitor(tmp_path: Path) -> None:
     # Client units: each client's count, clipped to C, spends (count / sigma)^2 per query. With only
     # ten units the SVT's Laplace noise (scale 2 at epsilon_svt = 1) is as large as the count's
