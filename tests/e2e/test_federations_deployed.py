@@ -9,8 +9,9 @@ The agent has two workloads on the same records: ``builtin`` (logistic regressio
    per-request cap, a quarter of the budget) until its quota is spent; its records stop *for alpha*;
 2. beta goes on: a regression run on the same records is answered with every record active, and
    each record's spend is the sum of what the two federations spent, within its budget;
-3. the walk-through's drain (noise 1e-6, clip 1e6; the agent's floor and clip limit allow it) is refused
-   by the default per-request cap and charges nothing;
+3. the walk-through's drain (noise 1e-6, clip 1e6; the agent's floor and clip limit allow it), sent over
+   beta's socket as its SuperNode's proxy forwards requests, is refused by the default per-request cap
+   with the fixed text and charges nothing;
 4. a third local user, in the sockets' group (so the file mode lets it connect), is refused at both
    sockets by the peer check before a byte is read;
 5. ``fedfilter ledger verify``, ``ledger requests`` and ``ledger report`` work on the ledger.
@@ -184,17 +185,30 @@ def test_a_hostile_federation_drains_its_own_quota_while_the_other_goes_on(setup
 
 
 def test_the_default_cap_refuses_the_walkthroughs_drain(setup: Setup) -> None:
+    """The drain, as beta's SuperNode's proxy would forward it (the agent service's real path, over beta's socket)."""
+    from client_agent.client_app import forward
+    from protocol import messages as wire
+
     with Ledger.open_existing(setup.ledger) as ledger:
         before = ledger.requests_answered()
         spent_before = ledger.state()["spent"].copy()
-    try:
-        setup.deps["beta"].run(setup.app, run_config("drain", 1, noise_std=1e-6, l2_clip=1e6), timeout=300)
-    except Exception as exc:  # the coordinator gives up without replies: what matters is the ledger
-        print(f"the drain run ended with {type(exc).__name__}")
+    drain = wire.GradientRequest(
+        request_id="drain:gradient:r1",
+        run_id="drain",
+        round=1,
+        noise_std=1e-6,
+        l2_clip=1e6,
+        trust="local",
+        unit="record",
+        model="logreg",
+        model_args=json.dumps({"in_features": 4, "n_classes": 2}),
+        parameters=np.zeros(10, np.float32),
+    )
+    code, reason, _, _ = forward(str(setup.sockets["beta"]), wire.GRADIENT, *wire.encode_request(drain), timeout=120)
+    assert (code, reason) == (wire.ERR_POLICY, wire.ERROR_TEXT[wire.ERR_POLICY])  # fixed text on the wire
     with Ledger.open_existing(setup.ledger) as ledger:
-        assert ledger.requests_in_run("drain", "beta") == 0
+        assert ledger.requests_answered() == before and ledger.requests_in_run("drain", "beta") == 0
         np.testing.assert_array_equal(ledger.state()["spent"], spent_before)
-        assert ledger.requests_answered() >= before  # only status requests, if any, were answered
     assert "policy-max-request-share = 0.25" in setup.service.log_text()
 
 
