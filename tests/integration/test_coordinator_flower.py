@@ -44,9 +44,13 @@ def local_indicator(**fields: object) -> CoordinatorConfig:
 
 @pytest.mark.parametrize(
     ("trust", "unit"),
-    # local/client on request (`pytest -m slow`): local trust and client units run on Flower below and in
-    # tests/integration/test_client_agent_flower.py; the gradient path is the same.
-    [("central", "record"), pytest.param("local", "client", marks=pytest.mark.slow)],
+    # Both on request (`pytest -m slow`, 21 s each): the gradient task runs on Flower by default in
+    # tests/integration/test_client_agent_flower.py (local trust, record units, every reply checked) and on the
+    # deployment engine in tests/e2e; central trust and client units run in process in the presets' tests.
+    [
+        pytest.param("central", "record", marks=pytest.mark.slow),
+        pytest.param("local", "client", marks=pytest.mark.slow),
+    ],
 )
 def test_gradient_task(tmp_path: Path, trust: str, unit: str) -> None:
     x, y = synthetic_classification(N_CLIENTS * 20 + 200, 5, 2, seed=3, separation=1.5)
