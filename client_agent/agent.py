@@ -724,11 +724,7 @@ class Agent:
             # Its first request, or a ledger migrated from version 1 whose past requests are all federation
             # "default": the quota starts from what the federation's stored releases charged (their sum in
             # commit order, as the charge adds them), and a unit stopped everywhere is stopped for it too.
-            spent = np.zeros(self.n_units)
-            for _, arrays in self.ledger.log(federation=federation):
-                if "l2_norms" in arrays and "noise_std" in arrays:
-                    cost = np.divide(np.asarray(arrays["l2_norms"], np.float64), float(arrays["noise_std"][0]))
-                    spent = cost * cost + spent
+            spent = self.ledger.charged_by(federation)
             state = AgentState.from_arrays(self.ledger.state())
             assert state.stopped is not None
             return AgentState(

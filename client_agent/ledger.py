@@ -537,6 +537,21 @@ class Ledger:
         except sqlite3.Error as exc:
             raise _corrupt(self._path, exc) from exc
 
+    def charged_by(self, federation: str) -> np.ndarray:
+        """What ``federation``'s stored Gaussian releases charged each unit, summed in commit order with the
+        charge's own arithmetic ((norm / noise_std)^2 added to the spend so far), so it equals the quota spend
+        the agent committed (realisation releases, monitor and secagg steps charge nothing here)."""
+        spent = np.zeros(self._config.n_units)
+        for _, arrays in self.log(federation=federation):
+            if "l2_norms" not in arrays or "noise_std" not in arrays or "losses" in arrays:
+                continue
+            cost = np.divide(
+                np.asarray(arrays["l2_norms"], dtype=np.float64), float(np.asarray(arrays["noise_std"])[0])
+            )
+            np.multiply(cost, cost, out=cost)
+            spent = cost + spent
+        return spent
+
     def requests_answered(self) -> int:
         """How many requests this ledger has answered, over all runs."""
         return int(self._query_one("SELECT COUNT(*) FROM requests")[0])

@@ -188,22 +188,12 @@ def _quota_problems(ledger: Ledger) -> list[str]:
     the agent wrote replays exactly; a quota state edited, or a release moved to another federation, does
     not. (The quota itself is the owner's configuration, not the ledger's: it is not checked here.)
     """
-    n = ledger.config.n_units
-    sums: dict[str, np.ndarray] = {}
-    for row, arrays in ledger.log():
-        if "l2_norms" not in arrays or "noise_std" not in arrays or "losses" in arrays:
-            continue
-        federation = str(row["federation"])
-        spent = sums.setdefault(federation, np.zeros(n))
-        cost = np.divide(np.asarray(arrays["l2_norms"], dtype=np.float64), float(np.asarray(arrays["noise_std"])[0]))
-        np.multiply(cost, cost, out=cost)
-        sums[federation] = cost + spent
     problems = []
     for federation in ledger.federations():
         quota = ledger.quota_state(federation)
         if quota is None:
             continue
-        replayed = sums.get(federation, np.zeros(n))
+        replayed = ledger.charged_by(federation)
         if not np.array_equal(replayed, np.asarray(quota["spent"])):
             worst = int(np.argmax(np.abs(replayed - np.asarray(quota["spent"]))))
             problems.append(
