@@ -301,6 +301,12 @@ class Charge:
         return GaussianRelease(kind, round_id, noise_std, released, refused=self.refused)
 
 
+# Units per block of :func:`charge`: a block's arrays (about 1.8 MiB) stay in the core's
+# cache, so the filter update reads its inputs from memory once, however many numpy
+# operations it takes (issue 24; benchmarks/accounting.py measures it).
+CHARGE_BLOCK = 1 << 16
+
+
 def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_norms: NDArray[np.floating]) -> Charge:
     """Check, then charge, a release with per-unit clipped norms ``l2_norms`` (privacy.md §3 rules).
 
@@ -308,34 +314,55 @@ def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_nor
     unit pays that cost. A unit that asks for more than it has left (or is stopped)
     is refused: it must contribute 0, pays 0, and is stopped for good. A unit with a
     zero norm pays nothing. Units left with at most EXHAUSTED_FRACTION of T stop.
+
+    The update runs block by block over ``CHARGE_BLOCK`` units, each block with the same
+    elementwise operations in the same order, so the result is the same as one pass over
+    the whole array, bit for bit; only the memory traffic differs.
     """
     sigma = positive("noise_std", noise_std)
     norms = np.asarray(l2_norms, dtype=np.float64).reshape(-1)
-    if norms.size != state.n_units:
-        raise PrivacyParameterError(f"l2_norms: expected {state.n_units} norms (one per unit), got {norms.size}")
-    # Two reductions check every entry: a NaN or infinity makes the sum non-finite.
-    if not (math.isfinite(float(norms.sum())) and float(norms.min()) >= 0.0):
-        raise PrivacyParameterError("l2_norms: expected finite norms >= 0, found NaN, infinity or a negative value")
+    n = state.n_units
+    if norms.size != n:
+        raise PrivacyParameterError(f"l2_norms: expected {n} norms (one per unit), got {norms.size}")
     threshold = filt.threshold
-    # The cost is (norm / sigma)^2, divided first: 1 / sigma overflows for a subnormal sigma.
-    new_spent = np.divide(norms, sigma)
-    np.multiply(new_spent, new_spent, out=new_spent)
-    new_spent += state.spent
-    if not math.isfinite(float(new_spent.sum())):
+    low = threshold * (1.0 - EXHAUSTED_FRACTION)
+    spent, was_stopped = state.spent, state.stopped
+    new_spent = np.empty(n, dtype=np.float64)
+    admitted = np.empty(n, dtype=np.bool_)
+    refused = np.empty(n, dtype=np.bool_)
+    stopped = np.empty(n, dtype=np.bool_)
+    wants = np.empty(min(n, CHARGE_BLOCK), dtype=np.bool_)
+    total = 0.0
+    smallest = math.inf
+    for lo in range(0, n, CHARGE_BLOCK):
+        hi = min(lo + CHARGE_BLOCK, n)
+        x, old, old_stopped = norms[lo:hi], spent[lo:hi], was_stopped[lo:hi]
+        cost, ok, no, stop, want = new_spent[lo:hi], admitted[lo:hi], refused[lo:hi], stopped[lo:hi], wants[: hi - lo]
+        smallest = min(smallest, float(x.min()))
+        # The cost is (norm / sigma)^2, divided first: 1 / sigma overflows for a subnormal sigma.
+        np.divide(x, sigma, out=cost)
+        np.multiply(cost, cost, out=cost)
+        np.add(cost, old, out=cost)
+        # A NaN or infinite norm, or a non-finite cost, makes the running total non-finite.
+        total += float(cost.sum())
+        np.less_equal(cost, threshold, out=ok)
+        np.greater(ok, old_stopped, out=ok)  # fits and not stopped
+        # Stopped: left with at most EXHAUSTED_FRACTION of T, or does not fit (stopped before,
+        # or refused). For a unit that fits, the cost is its new S; a | ~b is a >= b on booleans.
+        np.greater_equal(cost, low, out=stop)
+        np.greater_equal(stop, ok, out=stop)
+        np.greater(x, 0.0, out=want)
+        np.greater(want, ok, out=no)  # wants and does not fit: refused
+        # A unit with norm 0 already has cost == spent; refused units are undone. The same
+        # operations run whoever is refused (the work must not depend on who stops, privacy.md §8).
+        np.copyto(cost, old, where=no)
+        np.logical_and(ok, want, out=ok)
+    if not math.isfinite(total) or smallest < 0.0:
+        if not (math.isfinite(float(norms.sum())) and float(norms.min()) >= 0.0):
+            raise PrivacyParameterError("l2_norms: expected finite norms >= 0, found NaN, infinity or a negative value")
         raise PrivacyParameterError(
             f"noise_std: {sigma!r} prices these norms at a non-finite cost; expected (norm / noise_std)^2 to be finite"
         )
-    admitted = new_spent <= threshold
-    admitted &= ~state.stopped
-    wants = norms > 0
-    refused = wants & ~admitted
-    # A unit with norm 0 already has new_spent == spent; refused units are undone. The same
-    # operations run whoever is refused (the work must not depend on who stops, privacy.md §8).
-    np.copyto(new_spent, state.spent, where=refused)
-    stopped = new_spent >= threshold * (1.0 - EXHAUSTED_FRACTION)
-    stopped |= state.stopped
-    stopped |= refused
-    admitted &= wants
     return Charge(state=FilterState._built(new_spent, stopped), admitted=admitted, refused=refused)
 
 

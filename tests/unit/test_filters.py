@@ -196,3 +196,48 @@ def test_reply_decode_refuses_non_numeric_noise() -> None:
     for bad in ("abc", None, float("nan"), -1.0, True):
         with pytest.raises(wire.ProtocolError, match="'noise_added' must be a finite number >= 0"):
             wire.ContributionReply.decode(base | {"noise_added": bad}, total)
+
+
+def _charge_one_pass(
+    filt: GaussianFilter, state: FilterState, sigma: float, norms: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """privacy.md §3's rules written as one pass over whole arrays (the pre-issue-24 charge)."""
+    new_spent = (norms / sigma) ** 2 + state.spent
+    admitted = (new_spent <= filt.threshold) & ~state.stopped
+    wants = norms > 0
+    refused = wants & ~admitted
+    new_spent = np.where(refused, state.spent, new_spent)
+    stopped = (new_spent >= filt.threshold * (1.0 - EXHAUSTED_FRACTION)) | state.stopped | refused
+    return new_spent, stopped, admitted & wants, refused
+
+
+def test_blocked_charge_equals_the_one_pass_rules_bit_for_bit() -> None:
+    """charge runs block by block (issue 24); across block edges it gives the same bits."""
+    from protocol.filters import CHARGE_BLOCK
+
+    rng = np.random.default_rng(24)
+    filt = GaussianFilter.renyi(epsilon=1.0, delta=1e-5)
+    n = 4 * CHARGE_BLOCK + 1234  # five blocks, the last partial
+    spent = rng.uniform(0, filt.threshold, n)
+    stopped = rng.random(n) < 0.1
+    spent[-5:] = filt.threshold  # exhausted at the tail of the last, partial block
+    state = FilterState(spent=spent, stopped=stopped)
+    norms = rng.uniform(0, 3.0, n)
+    norms[rng.random(n) < 0.1] = 0.0
+    result = charge(filt, state, noise_std=7.0, l2_norms=norms)
+    expected = _charge_one_pass(filt, state, 7.0, norms)
+    assert np.array_equal(result.state.spent, expected[0])
+    assert np.array_equal(result.state.stopped, expected[1])
+    assert np.array_equal(result.admitted, expected[2])
+    assert np.array_equal(result.refused, expected[3])
+    # every outcome occurs, in more than one block
+    for mask in (expected[2], expected[3], ~expected[2] & ~expected[3]):
+        assert all(mask[lo : lo + CHARGE_BLOCK].any() for lo in range(0, n, CHARGE_BLOCK))
+    # a bad norm in the last block is still found, with the norms' message
+    bad = norms.copy()
+    bad[-1] = np.nan  # in the last block
+    with pytest.raises(PrivacyParameterError, match="expected finite norms"):
+        charge(filt, state, noise_std=7.0, l2_norms=bad)
+    bad[-1] = -1e-300
+    with pytest.raises(PrivacyParameterError, match="expected finite norms"):
+        charge(filt, state, noise_std=7.0, l2_norms=bad)
