@@ -94,6 +94,7 @@ def measure(records: int, repeats: int) -> None:
             wire.GRADIENT,
             *wire.encode_request(request),
             cache=cache if kept_open else None,
+            simulation=True,  # the simulation engines' agents (a deployed agent needs explicit policy bounds)
         )
         assert not outcome.is_error, outcome.error_reason
 

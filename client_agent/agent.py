@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from client_agent import secagg_client
+from client_agent import model_cache, secagg_client
 from client_agent.config import AgentConfig, AgentConfigError, Federation, PolicyError
 from client_agent.identity import load_identity, load_peers
 from client_agent.ledger import FederationLedger, Ledger, LedgerConfig, LedgerError, qualified_id
@@ -50,7 +50,6 @@ from workloads.registry import (
     DataSource,
     Workload,
     WorkloadError,
-    layout_fingerprint,
     load_workload,
     model_layout,
 )
@@ -376,8 +375,9 @@ class Agent:
                     self._audit_entry = {"outcome": "replayed", "reply_bytes": len(stored.reply)}
                     outcome = Outcome(*unpack_reply(stored.reply))
                 else:
-                    self.check_policy(request, fed)
-                    outcome = self.answer(request, digest, fed)
+                    with model_cache.scope(fed.name):  # public derivations of the model, per federation
+                        self.check_policy(request, fed)
+                        outcome = self.answer(request, digest, fed)
         except Exception as exc:
             # Nothing left the client: the reply is released only after a successful commit, and
             # the commit is one transaction. A repeat with the same id is answered afresh.
@@ -537,18 +537,15 @@ class Agent:
         model = getattr(request, "model", None)
         if model is None:
             return
-        import torch
-
-        try:
-            with torch.device("meta"):  # names and shapes only, nothing allocated: model_args may name huge layers
-                built = workload.build_model(model, **json.loads(getattr(request, "model_args", None) or "{}"))
+        try:  # names and shapes only (a meta build, once per process): model_args may name huge layers
+            built = model_cache.MODELS.shape(workload, model, getattr(request, "model_args", None) or "{}")
         except WorkloadError as exc:
             raise wire.ProtocolError(f"{kind}: model {model!r}: {exc}") from exc
         layout = getattr(request, "layout", None)
-        if layout is not None and layout != layout_fingerprint(built):
+        if layout is not None and layout != built.layout:
             raise wire.ProtocolError(
                 f"{kind}: layout: the coordinator's model {model!r} has parameter layout {layout[:16]}..., this "
-                f"client's build of it (workload {workload.name!r}) has {layout_fingerprint(built)[:16]}...; "
+                f"client's build of it (workload {workload.name!r}) has {built.layout[:16]}...; "
                 "expected the same (name, shape, dtype) of every parameter"
             )
 

@@ -474,6 +474,16 @@ def activation_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     return None
 
 
+def record_shapes(source: RecordSource) -> tuple[object, ...]:
+    """The per-record shapes and dtypes of ``source`` (from its first record), () when it is empty: public
+    facts the chunk size depends on, a cache key (:mod:`client_agent.model_cache`), never the values."""
+    if len(source) == 0:
+        return ()
+    xb, yb = next(iter(source.batches(1)))
+    x1, y1 = _as_tensor(xb), _as_tensor(yb)
+    return (tuple(x1.shape[1:]), str(x1.dtype), tuple(y1.shape[1:]), str(y1.dtype))
+
+
 def chunk_for_budget(
     model: nn.Module, loss_fn: LossFn, source: RecordSource, *, budget_bytes: int, most: int = 1024
 ) -> int:

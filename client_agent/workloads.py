@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 from numpy.typing import NDArray
 
 from client_agent.gradients import per_example_gradients, summed_gradient
+from client_agent.model_cache import MODELS
 from client_agent.streaming import (
     Contributions,
     RecordSource,
@@ -25,11 +25,12 @@ from client_agent.streaming import (
     StreamedGradients,
     batch_tensor,
     chunk_for_budget,
+    record_shapes,
 )
 from protocol import messages as wire
 from workloads.builtin import BUILTIN
-from workloads.models import load_flat_parameters, parameter_count
-from workloads.registry import DataSource, QueryArgs, Workload, WorkloadError, bounded_rows, layout_fingerprint
+from workloads.models import load_flat_parameters
+from workloads.registry import DataSource, QueryArgs, Workload, WorkloadError, bounded_rows
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -53,23 +54,20 @@ def _loaded_model(
     malformed.
     """
     registry = workload if workload is not None else BUILTIN
-    args = json.loads(model_args or "{}")
-    try:
-        with torch.device("meta"):  # count first, allocate nothing: model_args may name huge layers
-            shape = registry.build_model(name, **args)
+    try:  # count first, allocate nothing (a meta build, once per process): model_args may name huge layers
+        shape = MODELS.shape(registry, name, model_args or "{}")
     except WorkloadError as exc:
         raise wire.ProtocolError(f"{kind}: model {name!r} with {model_args}: {exc}") from exc
-    if layout is not None and layout != layout_fingerprint(shape):
+    if layout is not None and layout != shape.layout:
         raise wire.ProtocolError(
             f"{kind}: model {name!r}: expected the coordinator's parameter layout {layout[:16]}..., "
-            f"this client builds {layout_fingerprint(shape)[:16]}..."
+            f"this client builds {shape.layout[:16]}..."
         )
-    expected = parameter_count(shape)
-    if parameters.size != expected:
+    if parameters.size != shape.count:
         raise wire.ProtocolError(
-            f"{kind}: 'parameters' must hold {expected} values for model {name!r}, got {parameters.size}"
+            f"{kind}: 'parameters' must hold {shape.count} values for model {name!r}, got {parameters.size}"
         )
-    model = registry.build_model(name, **args)
+    model = MODELS.fresh(registry, name, model_args or "{}")  # this request's own module
     load_flat_parameters(model, parameters)
     return model
 
@@ -111,7 +109,14 @@ def gradient_contributions(
         return RowContributions(client_gradient_row(model, registry.loss, source, valid=valid))
     chunk = 1024
     if activation_budget is not None:  # the owner's budget: chunks sized to it, or a policy refusal
-        chunk = chunk_for_budget(model, registry.loss, source, budget_bytes=activation_budget, most=chunk)
+        # Public fields only (the model, the budget, the records' shapes): measured once per process.
+        budget, most = activation_budget, chunk
+        chunk = MODELS.memo(
+            "chunk",
+            registry,
+            (request.model, request.model_args, budget, most, *record_shapes(source)),
+            lambda: chunk_for_budget(model, registry.loss, source, budget_bytes=budget, most=most),
+        )
     # Public fields only: the per-record plan for this model is decided once per agent process.
     key = (registry.name, id(registry), request.model, request.model_args)
     return StreamedGradients(model, registry.loss, source, valid=valid, device=device, chunk_size=chunk, plan_key=key)
