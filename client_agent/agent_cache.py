@@ -23,6 +23,14 @@ Privacy note: reuse never skips a check that protects a spend.
 - Agents are per process and per thread (an SQLite connection is not shared across
   threads or forks), keyed by the node config, at most ``max_entries`` of them (least
   recently used dropped first; closed by the thread that opened them).
+
+Capacity (issue 24): a simulation's Ray actor answers for every virtual client that Flower
+sends it, so with 1,000 clients each actor meets all 1,000. An open agent holds three file
+descriptors (the ledger, its WAL and its shared-memory index) and about 340 KiB (a
+100-record client, measured by benchmarks/simulation.py's setup); an agent pushed out is
+reopened with every check at its next request (about 10 ms more). :func:`default_capacity`
+therefore raises the process's soft descriptor limit to its hard limit and keeps as many
+agents as fit in it, at most ``MOST_KEPT``.
 """
 
 from __future__ import annotations
@@ -60,6 +68,30 @@ def _files(agent: Agent, node_config: Mapping[str, Any]) -> tuple[Path, ...]:
 
 def _marks(agent: Agent, node_config: Mapping[str, Any]) -> tuple[FileMark, ...]:
     return tuple(_mark(p) for p in _files(agent, node_config))
+
+
+MOST_KEPT = 4096  # about 1.4 GiB of open agents per process at 340 KiB each
+FDS_PER_AGENT = 4  # the ledger, its WAL, its shared-memory index, and one to spare
+FDS_RESERVED = 256  # Ray's and Flower's own sockets and files
+
+
+def default_capacity() -> int:
+    """How many agents this process keeps open: what its descriptor limit allows, at most ``MOST_KEPT``.
+
+    The soft limit is raised to the hard limit first (what Ray does for its own processes).
+    """
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            target = (MOST_KEPT * FDS_PER_AGENT + FDS_RESERVED) if hard == resource.RLIM_INFINITY else hard
+            if target > soft:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+    except (ImportError, ValueError, OSError):  # no resource module (Windows) or not allowed: keep the default
+        return 128
+    return max(16, min(MOST_KEPT, (soft - FDS_RESERVED) // FDS_PER_AGENT))
 
 
 def _key(node_config: Mapping[str, Any], simulation: bool) -> tuple[object, ...]:

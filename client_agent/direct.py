@@ -20,14 +20,15 @@ from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 
 from client_agent.agent import Agent, Outcome, fault_point, refusal
-from client_agent.agent_cache import AgentCache
+from client_agent.agent_cache import AgentCache, default_capacity
 from client_agent.config import AgentConfigError, parse_agent_config
 from client_agent.ledger import LedgerError
 from protocol import messages as wire
 from protocol.records import decode_content, encode_content
 
-# Agents kept open between requests in this process (client_agent/agent_cache.py).
-AGENTS = AgentCache()
+# Agents kept open between requests in this process (client_agent/agent_cache.py), as many as its
+# descriptor limit allows: a simulation's Ray actor answers for every virtual client.
+AGENTS = AgentCache(max_entries=default_capacity())
 
 
 def answer_request(

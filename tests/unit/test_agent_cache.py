@@ -175,3 +175,22 @@ def test_another_threads_agent_is_never_used_or_closed_here(tmp_path: Path, cach
     # This thread gets its own agent (SQLite connections are per thread), and the dead thread's is not closed here.
     assert not answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache, simulation=True).is_error
     cache.clear()
+
+
+def test_default_capacity_fits_the_descriptor_limit() -> None:
+    """Each open agent holds about 3 descriptors: the cache keeps what the hard limit allows (issue 24)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource; from client_agent.agent_cache import default_capacity as d\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (300, 600))\n"
+        "print(d(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str((600 - 256) // 4), "600"]  # the soft limit rose to the hard one, and the cache fits it
+    from client_agent.agent_cache import MOST_KEPT
+    from client_agent.direct import AGENTS
+
+    assert 16 <= AGENTS.max_entries <= MOST_KEPT
