@@ -15,8 +15,13 @@ Privacy note: reuse never skips a check that protects a spend.
   second process answering for the same ledger is handled exactly as without reuse.
 - An agent is reused only when the ledger file, its WAL and the data file have the same
   identity, size and timestamps (modification and change) as this agent left them after
-  its own last request. Anything else (a replaced, truncated or edited file, a commit by
-  another process, new data) closes it and opens afresh, with every check of a first open.
+  its own last request. When only the ledger's contents changed (the same ledger file, by
+  device and inode; the data and TOML files with every mark they had), as when a second
+  simulation actor answered for the same client, the ledger is reopened with every check
+  of a first open (header bytes, integrity, schema, configuration and layout, state
+  checksum, high-water mark: :meth:`client_agent.ledger.Ledger.reopened`), and the data is
+  not reloaded. Anything else (a replaced file, new data, an edited policy, a failed check)
+  closes it and opens afresh, with every check of a first open.
 - An agent whose request ended in a ledger or internal error is closed, never reused.
 - When the node config names an agent TOML file, an edit to that file (a new policy) also
   reopens the agent, so the edited policy holds from the next request.
@@ -44,6 +49,7 @@ from typing import Any
 
 from client_agent.agent import Agent
 from client_agent.config import parse_agent_config
+from client_agent.ledger import LedgerError
 from protocol.validate import integer
 
 FileMark = tuple[int, int, int, int, int] | None
@@ -94,6 +100,18 @@ def default_capacity() -> int:
     return max(16, min(MOST_KEPT, (soft - FDS_RESERVED) // FDS_PER_AGENT))
 
 
+def _only_committed(before: tuple[FileMark, ...], now: tuple[FileMark, ...]) -> bool:
+    """Whether only the ledger's contents changed: the ledger is the same file (device and inode), and the
+    data file and the agent's TOML file (when named) have every mark they had."""
+    ledger_before, ledger_now = before[0], now[0]
+    return (
+        ledger_before is not None
+        and ledger_now is not None
+        and ledger_before[:2] == ledger_now[:2]
+        and before[2:] == now[2:]
+    )
+
+
 def _key(node_config: Mapping[str, Any], simulation: bool) -> tuple[object, ...]:
     items = tuple(sorted((str(k), repr(v)) for k, v in node_config.items()))
     return (os.getpid(), threading.get_ident(), simulation, items)
@@ -108,6 +126,7 @@ class AgentCache:
             OrderedDict()
         )
         self._lock = threading.Lock()
+        self.refreshed = 0  # agents kept after another process committed to their ledger (tests, benchmarks)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -123,9 +142,24 @@ class AgentCache:
             entry = self._entries.pop(key, None)
         if entry is not None:
             agent, marks, owner = entry
-            if _marks(agent, node_config) == marks and owner is threading.current_thread():
-                return agent
+            now = _marks(agent, node_config)
             if owner is threading.current_thread():
+                if now == marks:
+                    return agent
+                if _only_committed(marks, now):
+                    # Another process (a second actor answering for this client) committed to the
+                    # ledger: the same file, the same data and policy. Reopen the ledger with every
+                    # check of a first open, but keep the data this agent read and checked (issue 24).
+                    try:
+                        fresh = agent.ledger.reopened()
+                    except LedgerError:
+                        pass  # closed below; the fresh open raises what it finds
+                    else:
+                        old, agent.ledger = agent.ledger, fresh
+                        old.close()
+                        with self._lock:
+                            self.refreshed += 1
+                        return agent
                 agent.close()  # something outside this agent touched its files: open with every check
         return Agent(parse_agent_config(node_config, simulation=simulation))
 

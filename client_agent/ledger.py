@@ -709,6 +709,33 @@ class Ledger:
             self._conn.close()
             self._conn = None
 
+    def reopened(self) -> Self:
+        """A new handle on this ledger's file with every check of :meth:`open`, after another process wrote it.
+
+        The file is read afresh (its header bytes, then a new connection: this handle's page cache
+        may hold pages the file no longer has) and checked as an open checks it: integrity,
+        application id, schema objects and version, stored configuration and layout, state checksum
+        and, when one is kept, the high-water mark; it must be the ledger this handle opened (the same
+        ledger id, configuration and layout). Not repeated: the version-1 migration, which a ledger
+        already at version 2 never needs. The caller closes this handle after taking the new one (with
+        the new connection open, that close does not checkpoint the WAL).
+        """
+        fresh = type(self)._open_checked(self._path)
+        try:
+            if fresh._ledger_id != self._ledger_id:
+                raise LedgerError(f"ledger {self._path}: expected the ledger this agent opened, found another one")
+            mismatch = _config_mismatch(self._path, self._config, fresh._config)
+            if mismatch is not None:
+                raise mismatch
+            if (diff := _layout_mismatch(self._layout, fresh._layout)) is not None:
+                raise LedgerError(f"ledger {self._path} holds another state layout than when it was opened: {diff}")
+            if self._high_water is not None:
+                fresh._watch(self._high_water)
+        except BaseException:
+            fresh.close()
+            raise
+        return fresh
+
     def __enter__(self) -> Self:
         return self
 

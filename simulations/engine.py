@@ -32,13 +32,28 @@ class _NoRunSimulationDeprecation(logging.Filter):
         return "DEPRECATED FEATURE: The `run_simulation` function" not in record.getMessage()
 
 
-def backend_config(num_cpus: int | None = None) -> dict[str, Any]:
-    """One CPU per virtual client, Ray limited to this machine's cores, quiet logs."""
-    cpus = num_cpus or os.cpu_count() or 1
-    return {
-        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-        "init_args": {"num_cpus": cpus, "logging_level": "ERROR", "log_to_driver": False},
-    }
+def ray_address(address: str | None = None) -> str | None:
+    """The Ray cluster to join: ``address`` (``--ray-address``), else ``RAY_ADDRESS``, else None (start one here)."""
+    found = address if address is not None else os.environ.get("RAY_ADDRESS")
+    return found or None
+
+
+def backend_config(num_cpus: int | None = None, address: str | None = None) -> dict[str, Any]:
+    """One CPU per virtual client, quiet logs; Ray started on this machine's cores, or an existing cluster joined.
+
+    With ``address`` (``host:port`` of a running Ray head, or ``auto``; :func:`ray_address`) Flower's
+    backend joins that cluster and places one ClientApp actor per free CPU of every node in it;
+    Ray refuses ``num_cpus`` when it joins a cluster, so none is passed then.
+    """
+    found = ray_address(address)
+    if found is not None:
+        init: dict[str, Any] = {"address": found, "logging_level": "ERROR", "log_to_driver": False}
+    else:
+        # "local": a new Ray on this machine, never a cluster Ray finds by itself (a running `ray start`, or
+        # the address file a stopped one left in /tmp/ray, would be joined and then refuse num_cpus).
+        cpus = num_cpus or os.cpu_count() or 1
+        init = {"address": "local", "num_cpus": cpus, "logging_level": "ERROR", "log_to_driver": False}
+    return {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": init}
 
 
 def run_flower(
@@ -48,8 +63,13 @@ def run_flower(
     evaluate: Evaluate | None = None,
     analyst: Analyst | None = None,
     num_cpus: int | None = None,
+    address: str | None = None,
 ) -> dict[str, Any]:
-    """One run of ``cfg`` with one virtual SuperNode per entry of ``node_configs``; returns the summary."""
+    """One run of ``cfg`` with one virtual SuperNode per entry of ``node_configs``; returns the summary.
+
+    ``address``: an existing Ray cluster to run the virtual clients on (:func:`backend_config`); each
+    client's agent opens its ledger where its ClientApp actor runs, at the node config's ``ledger-path``.
+    """
     from flwr.simulation import run_simulation
 
     results: dict[str, Any] = {}
@@ -61,7 +81,7 @@ def run_flower(
             server_app=build_server_app(cfg, results, evaluate=evaluate, analyst=analyst),
             client_app=build_client_app([simulation_node_config(node_configs)], simulation=True),
             num_supernodes=len(node_configs),
-            backend_config=backend_config(num_cpus),
+            backend_config=backend_config(num_cpus, address),
         )
     finally:
         flwr_log.removeFilter(quiet)
@@ -79,10 +99,12 @@ def run_engine(
     node_configs: Mapping[int, Mapping[str, Any]],
     *,
     evaluate: Evaluate | None = None,
+    address: str | None = None,
 ) -> dict[str, Any]:
-    """``cfg`` on Flower's simulation engine (``flower``) or by direct calls to the same agents (``inprocess``)."""
+    """``cfg`` on Flower's simulation engine (``flower``, on the Ray cluster at ``address`` when given) or by
+    direct calls to the same agents (``inprocess``)."""
     if engine == "flower":
-        return run_flower(cfg, node_configs, evaluate=evaluate)
+        return run_flower(cfg, node_configs, evaluate=evaluate, address=address)
     if engine == "inprocess":
         from coordinator.rounds import run
         from simulations.inprocess import InProcessTransport

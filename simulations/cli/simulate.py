@@ -54,6 +54,12 @@ def add_parser(sub: Subparsers) -> None:
         choices=["flower", "inprocess"],
         help="flower: Flower's simulation engine (default); inprocess: the same agents by direct calls",
     )
+    p.add_argument(
+        "--ray-address",
+        help="run the virtual clients on an existing Ray cluster (host:port of its head, or auto; default: "
+        "RAY_ADDRESS, else Ray starts on this machine); every node must see the --out folder (the clients' data "
+        "and ledgers live there)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -84,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         download=args.download,
         out=args.out,
         engine=args.engine,
+        ray_address=args.ray_address,
         local_steps=args.local_steps,
         local_lr=args.local_lr,
         local_batch_size=args.local_batch_size,
@@ -95,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         raise SimulationError("--preset workload: expected --workload 'package.module:object'")
     if args.workload and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does; the simulated clients inherit it
+    if args.ray_address and args.engine != "flower":
+        raise SimulationError("--ray-address: expected --engine flower (the inprocess engine runs no Ray)")
     if args.preset != "quickstart" and any(
         v is not None for v in (args.local_steps, args.local_lr, args.local_batch_size, args.server_lr)
     ):

@@ -42,6 +42,8 @@ class Options:
     download: bool = False  # fetch missing dataset files from the canonical mirrors
     out: str | None = None  # default: fedfilter-out/<preset>-<UTC time>, a new folder per run
     engine: str = "flower"
+    # An existing Ray cluster for the flower engine (host:port or auto; default RAY_ADDRESS, else a local Ray).
+    ray_address: str | None = None
     # The ``workload`` preset: "package.module:object" (workloads/registry.py); both sides load it.
     workload: str | None = None
     # Local training (quickstart with unit 'client'; DP-FedAvg): CoordinatorConfig's local_* and server_lr.

@@ -46,7 +46,7 @@ def simulate(preset: str, opts: Options) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     plan = build(opts, out)
     started = time.monotonic()
-    summary = run_engine(opts.engine, plan.cfg, plan.clients, evaluate=plan.evaluate)
+    summary = run_engine(opts.engine, plan.cfg, plan.clients, evaluate=plan.evaluate, address=opts.ray_address)
     wall = time.monotonic() - started
     active = active_per_round(plan.clients, summary["rounds_completed"])
     truth: dict[str, Any] = {

@@ -42,7 +42,7 @@ from protocol.filters import GaussianFilter
 from simulations.deploy.agent_files import write_agent_toml
 from simulations.deploy.keys import make_node_keys
 from simulations.deploy.local import LocalDeployment, Service, stage_app
-from tests.e2e.common import make_parts
+from tests.e2e.common import cannot_run, make_parts
 
 pytestmark = pytest.mark.flower
 
@@ -56,13 +56,6 @@ SOCKET_GID, THIRD_UID = 64030, 64031  # the sockets' group; a local user who is 
 THRESHOLD = GaussianFilter.gdp(epsilon=EPSILON, delta=DELTA).threshold
 # alpha's hostile rounds cost (clip / noise)^2 = a quarter of the budget, exactly the default cap.
 HOSTILE_NOISE = float(1.0 / np.sqrt(0.25 * THRESHOLD)) * (1 + 1e-9)
-
-
-def cannot_run(reason: str) -> None:
-    """Skip with ``reason``; under CI=true fail with it instead: CI must run this test, never skip it."""
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"this test must run in CI and cannot: {reason}")
-    pytest.skip(reason)
 
 
 def run_config(run_id: str, rounds: int, *, noise_std: float, l2_clip: float = 1.0, **over: Any) -> dict[str, Any]:

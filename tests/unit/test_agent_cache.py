@@ -96,6 +96,27 @@ def test_another_process_committing_is_seen_and_no_spend_is_lost(tmp_path: Path,
     assert spent(cfg).tobytes() == spent(ref).tobytes()
     with Ledger.open_existing(Path(cfg["ledger-path"])) as ledger:
         assert ledger.requests_answered() == 6
+    # requests 3 and 5 found the other process's commit: the ledger was checked again on the open
+    # connection, the data not reloaded (issue 24: two simulation actors answer for one client)
+    assert cache.refreshed == 2
+
+
+def test_a_trigger_added_by_another_process_is_found_by_the_refresh(tmp_path: Path, cache: AgentCache) -> None:
+    import sqlite3
+
+    cfg = node_config(tmp_path)
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache, simulation=True).is_error
+    before = spent(cfg).copy()
+    conn = sqlite3.connect(cfg["ledger-path"])  # same file, same inode: only the contents change
+    conn.execute("CREATE TRIGGER undo AFTER UPDATE ON state BEGIN SELECT 1; END")
+    conn.commit()
+    conn.close()
+    outcome = answer_request(cfg, wire.GRADIENT, *gradient(2), cache=cache, simulation=True)
+    assert outcome.error_code == wire.ERR_LEDGER
+    assert "trigger 'undo'" in outcome.local_detail
+    assert cache.refreshed == 0 and len(cache) == 0
+    with Ledger.open_existing(Path(cfg["ledger-path"]), allow_foreign=True) as ledger:
+        assert ledger.state()["spent"].tobytes() == before.tobytes()  # nothing charged
 
 
 def test_new_data_file_reopens_and_the_ledger_refuses_it(tmp_path: Path, cache: AgentCache) -> None:
