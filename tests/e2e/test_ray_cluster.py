@@ -205,7 +205,7 @@ def test_simulate_cli_joins_the_cluster(cluster: str, tmp_path: Path) -> None:
             "--clients",
             "4",
             "--rounds",
-            "2",
+            "1",
             "--ray-address",
             cluster,
             "--out",
@@ -219,7 +219,7 @@ def test_simulate_cli_joins_the_cluster(cluster: str, tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rounds_completed"] == 2
+    assert summary["rounds_completed"] == 1
     assert len(list((out / "ledgers").glob("*.sqlite"))) == 4
 
 
