@@ -184,3 +184,94 @@ def gaussian_bound(*, noise_std: float, queries: int, beta: float) -> float:
     from scipy.stats import norm  # on first use: scipy.stats takes most of a second to import
 
     return float(noise_std * norm.isf(beta / (2.0 * queries)))
+
+
+@dataclass(frozen=True)
+class SvtReliability:
+    """How well an SVT monitor (:class:`SvtMonitor`) tells a whole population from its threshold (issue 24).
+
+    - ``false_stop``: the probability that it answers "below" within ``rounds`` checks while all
+      ``population`` units stay active (a run that stops with nobody gone). Counts only fall, so a
+      real run's chance of stopping before its count nears the threshold is at least this.
+    - ``late_stop``: the probability that it still answers "above" ``late_rounds`` checks in a row
+      while the count is ``late_count`` (half the threshold, rounded down), with the threshold noise
+      drawn afresh (an approximation: a run that got there has not stopped before, which favours
+      larger threshold noise and a later stop).
+
+    Exact for the mechanism as :class:`SvtMonitor` runs it: "below" iff nu - rho >= count - T + 1/2
+    with rho ~ Lap(2/eps) drawn once and nu ~ Lap(2/eps) per check, integrated over rho numerically.
+    """
+
+    epsilon: float
+    threshold: int
+    population: int
+    rounds: int
+    false_stop: float
+    late_count: int
+    late_rounds: int
+    late_stop: float
+
+    @property
+    def separates(self) -> bool:
+        """Whether the monitor tells the whole population from the threshold: both errors below 5%."""
+        return self.false_stop < 0.05 and self.late_stop < 0.05
+
+    def describe(self) -> str:
+        return (
+            f"SVT monitor (epsilon_svt = {self.epsilon:g}, threshold {self.threshold}): P(stops within "
+            f"{self.rounds} rounds while all {self.population} units stay active) = {self.false_stop:.3f}; "
+            f"P(goes on {self.late_rounds} rounds with {self.late_count} active) = {self.late_stop:.3f}"
+        )
+
+    def warning(self) -> str | None:
+        """What to say before the run when the monitor cannot tell the population from its threshold."""
+        if self.separates:
+            return None
+        return (
+            f"the monitor cannot tell {self.population} active units from its threshold of {self.threshold}: "
+            f"{self.describe()}. Raise monitor_epsilon (its cost is reserved in every filter) or move the "
+            "threshold further from the population, or run without a monitor."
+        )
+
+
+def _below_probability(gap: NDArray[np.float64], scale: float) -> NDArray[np.float64]:
+    """P(nu >= gap) for nu ~ Lap(0, scale), elementwise."""
+    upper = 0.5 * np.exp(-np.maximum(gap, 0.0) / scale)
+    return np.where(gap >= 0.0, upper, 1.0 - 0.5 * np.exp(np.minimum(gap, 0.0) / scale))
+
+
+def svt_reliability(
+    *, epsilon: float, threshold: int, population: int, rounds: int, late_rounds: int = 5
+) -> SvtReliability:
+    """:class:`SvtReliability` of ``SvtMonitor(threshold=threshold, epsilon=epsilon)`` over ``population`` units."""
+    if not math.isfinite(epsilon) or epsilon <= 0:
+        raise ValueError(f"epsilon: expected a finite number > 0, got {epsilon!r}")
+    for name, value in (("population", population), ("rounds", rounds), ("late_rounds", late_rounds)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+    scale = 2.0 / epsilon  # both halves of epsilon: rho ~ Lap(1/eps_1), nu ~ Lap(1/eps_2), eps_1 = eps_2 = eps/2
+    # rho on a grid wide enough that the Laplace tails beyond it hold < 1e-12 of the mass.
+    rho = np.linspace(-30.0 * scale, 30.0 * scale, 120_001)
+    weight = np.exp(-np.abs(rho) / scale) / (2.0 * scale)
+
+    def integrate(values: NDArray[np.float64]) -> float:  # the trapezoid rule on the grid (numpy >= 1.26)
+        return float(np.sum((values[1:] + values[:-1]) * np.diff(rho)) / 2.0)
+
+    weight /= integrate(weight)
+
+    def p_below(count: int) -> NDArray[np.float64]:
+        return _below_probability(count - threshold + 0.5 + rho, scale)
+
+    false_stop = integrate(weight * (1.0 - (1.0 - p_below(population)) ** rounds))
+    late_count = max(threshold // 2, 0)
+    late_stop = integrate(weight * (1.0 - p_below(late_count)) ** late_rounds)
+    return SvtReliability(
+        epsilon=epsilon,
+        threshold=threshold,
+        population=population,
+        rounds=rounds,
+        false_stop=min(max(false_stop, 0.0), 1.0),
+        late_count=late_count,
+        late_rounds=late_rounds,
+        late_stop=min(max(late_stop, 0.0), 1.0),
+    )

@@ -19,6 +19,7 @@ releases nothing: the round takes no step and answers nothing.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
@@ -30,7 +31,7 @@ import numpy as np
 from coordinator.analysts import Analyst
 from coordinator.config import CoordinatorConfig
 from coordinator.enrolment import Enrolment, enrol
-from coordinator.monitor import Monitor, Verdict, build_monitor
+from coordinator.monitor import Monitor, SvtMonitor, Verdict, build_monitor, svt_reliability
 from coordinator.release import PlainRelease, Released, ReleaseStep
 from coordinator.report import Progress, RoundLog, RunWriter, load_checkpoint
 from coordinator.secagg import SecaggRelease
@@ -38,6 +39,8 @@ from coordinator.tasks import TASKS, Evaluate, RoundContext
 from coordinator.transport import Transport
 
 __all__ = ["noise_rng", "run"]
+
+LOG = logging.getLogger("fedfilter.coordinator")
 
 
 def noise_rng(cfg: CoordinatorConfig) -> np.random.Generator:
@@ -65,6 +68,19 @@ def run(
         else SecaggRelease(transport, cfg, enrolment.nodes, enrolment.secagg)
     )
     monitor = build_monitor(cfg, rng)
+    reliability: dict[str, Any] = {}
+    if isinstance(monitor, SvtMonitor):
+        # Public arithmetic on the run's own settings (no data): can this monitor tell the enrolled
+        # population from its threshold? Said before the first round, and kept in the summary.
+        rel = svt_reliability(
+            epsilon=cfg.monitor_epsilon,
+            threshold=cfg.monitor_threshold,
+            population=max(enrolment.units_enrolled, 1),
+            rounds=cfg.rounds,
+        )
+        reliability = asdict(rel) | {"separates": rel.separates, "warning": rel.warning()}
+        if rel.warning() is not None:
+            LOG.warning("monitor: %s", rel.warning())
     progress = Progress(cfg.rounds, stream=progress_stream, enabled=cfg.progress)
     logs: list[RoundLog] = []
     errors_total: Counter[str] = Counter()
@@ -91,6 +107,8 @@ def run(
             stopped_because = stop
             break
     summary = _summary(cfg, enrolment, logs, stopped_because, errors_total, started)
+    if reliability:
+        summary["monitor_reliability"] = reliability
     summary.update(task.summarise(logs, writer, enrolment))
     writer.summary(summary)
     progress.finish(

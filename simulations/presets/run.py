@@ -97,5 +97,8 @@ def headline(summary: dict[str, Any]) -> list[str]:
             f"Queries answered: {summary['queries_answered']}; worst-case accounting: {summary['worst_case_queries']} "
             f"({summary['queries_answered'] / max(summary['worst_case_queries'], 1):.1f}x)."
         )
+    warning = summary.get("monitor_reliability", {}).get("warning")
+    if warning:
+        lines.append(f"Warning: {warning}")
     lines.extend(summary.get("reproduction", {}).get("headline", []))
     return lines

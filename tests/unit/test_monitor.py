@@ -100,3 +100,40 @@ def test_gaussian_bound_union() -> None:
     assert gaussian_bound(noise_std=2.0, queries=1, beta=0.05) == pytest.approx(2 * 1.959964, rel=1e-6)
     z = NormalDist().inv_cdf(1 - 0.05 / 200)
     assert gaussian_bound(noise_std=1.0, queries=100, beta=0.05) == pytest.approx(z, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("epsilon", "threshold", "population", "rounds"),
+    [(0.1, 2, 20, 30), (1.0, 2, 20, 10), (0.5, 10, 40, 20)],
+)
+def test_svt_reliability_matches_the_monitor_it_describes(
+    epsilon: float, threshold: int, population: int, rounds: int
+) -> None:
+    """The computed false-stop and late-stop probabilities against 8,000 runs of SvtMonitor.check itself."""
+    from coordinator.monitor import svt_reliability
+
+    rel = svt_reliability(epsilon=epsilon, threshold=threshold, population=population, rounds=rounds)
+    rng = np.random.default_rng(24)
+    trials = 8_000
+    false_stops = late = 0
+    for _ in range(trials):
+        monitor = SvtMonitor(threshold=threshold, epsilon=epsilon, rng=rng)
+        false_stops += any(monitor.check(population).below for _ in range(rounds))
+        monitor = SvtMonitor(threshold=threshold, epsilon=epsilon, rng=rng)
+        late += not any(monitor.check(rel.late_count).below for _ in range(rel.late_rounds))
+    for computed, observed in ((rel.false_stop, false_stops / trials), (rel.late_stop, late / trials)):
+        sd = math.sqrt(max(computed * (1 - computed), 1e-4) / trials)
+        assert abs(observed - computed) < 5 * sd + 1e-3, (computed, observed)
+
+
+def test_a_monitor_that_cannot_tell_20_from_2_says_so() -> None:
+    """Issue 24's cross-device quickstart: 20 client units, threshold 2, epsilon_svt 0.1."""
+    from coordinator.monitor import svt_reliability
+
+    weak = svt_reliability(epsilon=0.1, threshold=2, population=20, rounds=30)
+    assert weak.false_stop > 0.9 and not weak.separates
+    assert weak.warning() is not None and "cannot tell 20 active units from its threshold of 2" in weak.warning()
+    strong = svt_reliability(epsilon=1.0, threshold=100, population=1000, rounds=30)
+    assert strong.separates and strong.warning() is None
+    with pytest.raises(ValueError, match="population: expected an integer >= 1"):
+        svt_reliability(epsilon=1.0, threshold=2, population=0, rounds=3)
