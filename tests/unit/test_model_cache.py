@@ -15,6 +15,7 @@ from client_agent.direct import answer_request
 from client_agent.model_cache import MODELS, ModelCache, scope
 from protocol import messages as wire
 from simulations.federation import write_clients
+from tests import factories
 from workloads.builtin import BUILTIN
 from workloads.models import build_model, flatten_parameters
 from workloads.registry import Workload, WorkloadError
@@ -102,17 +103,8 @@ def test_an_agent_builds_the_requests_model_once_across_requests_and_agents(tmp_
     misses = MODELS.misses
     for client in (0, 1):
         for i in range(3):
-            request = wire.GradientRequest(
-                request_id=f"r{i}",
-                run_id="run",
-                round=i + 1,
-                noise_std=8.0,
-                l2_clip=1.0,
-                trust="central",
-                unit="record",
-                model="logreg",
-                model_args=MODEL_ARGS,
-                parameters=params,
+            request = factories.gradient_request(
+                f"r{i}", features=4, n_classes=3, round=i + 1, noise_std=8.0, trust="central", parameters=params
             )
             outcome = answer_request(
                 per[client], wire.GRADIENT, *wire.encode_request(request), cache=cache, simulation=True
