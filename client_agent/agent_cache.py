@@ -16,10 +16,10 @@ Privacy note: reuse never skips a check that protects a spend.
 - An agent is reused only when the ledger file, its WAL and the data file have the same
   identity, size and timestamps (modification and change) as this agent left them after
   its own last request. When only the ledger's contents changed (the same ledger file, by
-  device and inode; the data and TOML files with every mark they had), as when a second
+  device and inode; the data file, a single file, and the TOML file with every mark they had), as when a second
   simulation actor answered for the same client, the ledger is reopened with every check
   of a first open (header bytes, integrity, schema, configuration and layout, state
-  checksum, high-water mark: :meth:`client_agent.ledger.Ledger.reopened`), and the data is
+  checksum, high-water mark: :meth:`client_agent.ledger.Ledger.reopen`), and the data is
   not reloaded. Anything else (a replaced file, new data, an edited policy, a failed check)
   closes it and opens afresh, with every check of a first open.
 - An agent whose request ended in a ledger or internal error is closed, never reused.
@@ -146,17 +146,17 @@ class AgentCache:
             if owner is threading.current_thread():
                 if now == marks:
                     return agent
-                if _only_committed(marks, now):
+                # A data folder's mark does not change when a file inside it is rewritten: only a single
+                # data file, whose own marks are compared, lets the data be kept (else a full reopen re-hashes it).
+                if _only_committed(marks, now) and Path(agent.config.data_path).is_file():
                     # Another process (a second actor answering for this client) committed to the
                     # ledger: the same file, the same data and policy. Reopen the ledger with every
                     # check of a first open, but keep the data this agent read and checked (issue 24).
                     try:
-                        fresh = agent.ledger.reopened()
+                        agent.ledger.reopen()
                     except LedgerError:
-                        pass  # closed below; the fresh open raises what it finds
+                        pass  # closed; the full open below raises what it finds
                     else:
-                        old, agent.ledger = agent.ledger, fresh
-                        old.close()
                         with self._lock:
                             self.refreshed += 1
                         return agent

@@ -47,9 +47,11 @@ from protocol.errors import FedfilterError
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Validity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 SYNTHETIC = 3  # records in the data-independent batch that decides the plan
-_PLANS_KEPT = 32  # plans kept per agent process, keyed on public request fields (PerRecord.decide)
+_PLANS_KEPT = 32  # plans kept per agent process and federation, keyed on public request fields (PerRecord.decide)
 _Shape = tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]  # a record's output shape and dtype, input shape
-_PLANS: OrderedDict[Hashable, tuple[tuple[tuple[str, _Shape], ...], tuple[str, ...]]] = OrderedDict()
+# One table per federation (client_agent.model_cache.current_scope), each with its own bound: a hit or
+# an eviction never depends on another coordinator's requests (privacy.md §8, §11).
+_PLANS: dict[str, OrderedDict[Hashable, tuple[tuple[tuple[str, _Shape], ...], tuple[str, ...]]]] = {}
 _CHECK_RTOL = 1e-3  # the plan's gradients against the direct ones, on the synthetic records
 
 
@@ -319,10 +321,13 @@ class PerRecord:
         request with the same key and record shapes (it depends on nothing else: never on data, nor on
         who stopped), so the synthetic passes run once, not per request.
         """
+        from client_agent.model_cache import current_scope
+
         full = None if key is None else (key, tuple(x.shape[1:]), x.dtype, tuple(y.shape[1:]), y.dtype, self.trainable)
-        if full is not None and full in _PLANS:
-            shapes, notes_kept = _PLANS[full]
-            _PLANS.move_to_end(full)
+        plans = _PLANS.setdefault(current_scope(), OrderedDict())
+        if full is not None and full in plans:
+            shapes, notes_kept = plans[full]
+            plans.move_to_end(full)
             kept = dict(shapes)
             tapped = [
                 t for t in self._tapped_from([kept.get(name) for name, _, _ in self.candidates]) if t.name in kept
@@ -331,9 +336,9 @@ class PerRecord:
             return self.plan
         plan = self._decide(x, y)
         if full is not None:
-            _PLANS[full] = (tuple((t.name, (t.out_shape, t.dtype, t.in_shape)) for t in plan.tapped), plan.notes)
-            while len(_PLANS) > _PLANS_KEPT:
-                _PLANS.popitem(last=False)
+            plans[full] = (tuple((t.name, (t.out_shape, t.dtype, t.in_shape)) for t in plan.tapped), plan.notes)
+            while len(plans) > _PLANS_KEPT:
+                plans.popitem(last=False)
         return plan
 
     def _tapped_from(self, shapes: list[_Shape | None], *, counted: bool = False) -> list[Tapped]:

@@ -332,6 +332,14 @@ class Ledger:
             None if initial_state is None else _checked_arrays(f"ledger {ledger_path}: initial_state", initial_state)
         )
         mark = None if high_water is None else HighWater(Path(high_water), ledger_path)
+        remote = network_filesystem(ledger_path)
+        if remote is not None:
+            raise LedgerError(
+                f"ledger {ledger_path}: expected a local filesystem, found {remote}: SQLite's WAL, which every "
+                "commit goes through, works on one host only (its index is shared memory), so two hosts could "
+                "each commit against their own view and one spend would overwrite the other; keep ledgers on a "
+                "local disk"
+            )
         if ledger_path.exists():
             _migrate(ledger_path)
         if not ledger_path.exists():
@@ -709,17 +717,21 @@ class Ledger:
             self._conn.close()
             self._conn = None
 
-    def reopened(self) -> Self:
-        """A new handle on this ledger's file with every check of :meth:`open`, after another process wrote it.
+    def reopen(self) -> None:
+        """Close this handle's connection and open the file again with every check of :meth:`open`.
 
-        The file is read afresh (its header bytes, then a new connection: this handle's page cache
-        may hold pages the file no longer has) and checked as an open checks it: integrity,
-        application id, schema objects and version, stored configuration and layout, state checksum
-        and, when one is kept, the high-water mark; it must be the ledger this handle opened (the same
-        ledger id, configuration and layout). Not repeated: the version-1 migration, which a ledger
-        already at version 2 never needs. The caller closes this handle after taking the new one (with
-        the new connection open, that close does not checkpoint the WAL).
+        For a ledger another process wrote to since this handle last read it. The connection is
+        closed *first*: reading the file's header through another descriptor while this process
+        holds an SQLite connection to it would drop the process's POSIX locks on the file, and
+        another process closing its connection could then checkpoint and delete the WAL this
+        connection still writes to (a lost commit). Then the file is read afresh and checked as an
+        open checks it (header bytes, integrity, application id, schema objects and version, state
+        checksum, and the high-water mark when one is kept), and it must be the ledger this handle
+        opened: the same ledger id, configuration and state layout. Not repeated: the version-1
+        migration, which a ledger already at version 2 never needs (a version-1 file is refused
+        here, and the caller's full open migrates it). On any error the handle stays closed.
         """
+        self.close()
         fresh = type(self)._open_checked(self._path)
         try:
             if fresh._ledger_id != self._ledger_id:
@@ -734,7 +746,12 @@ class Ledger:
         except BaseException:
             fresh.close()
             raise
-        return fresh
+        # Adopt the checked connection and what it read; the high-water mark object stays this handle's.
+        self._conn, fresh._conn = fresh._conn, None
+        self._schema_version = fresh._schema_version
+        self.foreign_objects = fresh.foreign_objects
+        self._marked = fresh._marked
+        self._state_sha = fresh._state_sha
 
     def __enter__(self) -> Self:
         return self
@@ -763,6 +780,58 @@ class Ledger:
 
 
 # --------------------------------------------------------------------------- file-level checks
+
+
+# Filesystems whose files another host can open: SQLite's WAL mode does not work on them (sqlite.org/wal.html,
+# "all processes using a database must be on the same host computer").
+NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "ncpfs",
+        "afs",
+        "ceph",
+        "glusterfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "9p",
+        "fuse.sshfs",
+        "fuse.glusterfs",
+        "fuse.s3fs",
+        "fuse.rclone",
+        "fuse.cephfs",
+        "ocfs2",
+        "gfs2",
+    }
+)
+
+
+def network_filesystem(path: Path, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the network filesystem ``path`` (or the folder it would be created in) lives on, else None.
+
+    Read from the kernel's mount table (Linux); where there is none, None (nothing is known).
+    """
+    try:
+        with open(mountinfo) as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path if path.exists() else path.parent)
+    best, kind = "", None
+    for line in lines:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ")
+        after = line.split(" - ", 1)[1].split()
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best) and after:
+            best, kind = point, after[0]
+    return kind if kind in NETWORK_FILESYSTEMS else None
 
 
 def _check_header(path: Path) -> None:

@@ -16,10 +16,11 @@ Here each of these is computed once per (workload, model name, model arguments) 
 Privacy note: keys hold public request fields only (the workload object, the model name and
 argument text, record shapes and dtypes), never the data or the filter state, so what is cached
 and when a lookup misses depend on which models were asked for, never on the data or on who
-stopped (privacy.md §8). Lookups are scoped by the federation that asks (:func:`scope`), so one
-coordinator cannot learn from a faster reply that another asked for the same model. The cache is
-bounded (least recently used dropped first), so a coordinator that varies model arguments costs
-rebuilds, not memory.
+stopped (privacy.md §8). Each federation that asks (:func:`scope`) has its own tables with their
+own bounds, so one coordinator cannot learn from a faster or slower reply what another asked for:
+neither a hit on another's entry nor an eviction by another's requests. Each table is bounded
+(least recently used dropped first), so a coordinator that varies model arguments costs rebuilds,
+not memory.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ T = TypeVar("T")
 _SCOPE: contextvars.ContextVar[str] = contextvars.ContextVar("fedfilter_model_scope", default="")
 
 
+def current_scope() -> str:
+    """The federation whose request is being answered ("" outside :func:`scope`)."""
+    return _SCOPE.get()
+
+
 @contextlib.contextmanager
 def scope(name: str) -> Iterator[None]:
     """Lookups inside this block see only entries made inside a block of the same ``name`` (a federation)."""
@@ -64,13 +70,13 @@ class ModelShape:
 
 
 class ModelCache:
-    """Bounded, thread-safe, per-process; see the module docstring."""
+    """Bounded, thread-safe, per-process, one set of tables per federation; see the module docstring."""
 
     def __init__(self, *, max_entries: int = 256, max_models: int = 8) -> None:
         self.max_entries = max_entries
         self.max_models = max_models
-        self._values: OrderedDict[Hashable, tuple[Workload, object]] = OrderedDict()
-        self._models: OrderedDict[Hashable, tuple[Workload, nn.Module | None]] = OrderedDict()
+        self._values: dict[str, OrderedDict[Hashable, tuple[Workload, object]]] = {}
+        self._models: dict[str, OrderedDict[Hashable, tuple[Workload, nn.Module | None]]] = {}
         self._lock = threading.Lock()
         self.misses = 0
 
@@ -79,17 +85,20 @@ class ModelCache:
             self._values.clear()
             self._models.clear()
 
-    def _get(self, table: OrderedDict[Hashable, tuple[Workload, Any]], key: Hashable, workload: Workload) -> Any:
+    def _get(
+        self, tables: dict[str, OrderedDict[Hashable, tuple[Workload, Any]]], key: Hashable, workload: Workload
+    ) -> Any:
         with self._lock:
-            entry = table.get(key)
-            if entry is None or entry[0] is not workload:  # an id reused by another workload object
+            table = tables.get(_SCOPE.get())
+            entry = None if table is None else table.get(key)
+            if table is None or entry is None or entry[0] is not workload:  # an id reused by another workload object
                 return _MISSING
             table.move_to_end(key)
             return entry[1]
 
     def _put(
         self,
-        table: OrderedDict[Hashable, tuple[Workload, Any]],
+        tables: dict[str, OrderedDict[Hashable, tuple[Workload, Any]]],
         key: Hashable,
         workload: Workload,
         value: Any,
@@ -97,6 +106,7 @@ class ModelCache:
     ) -> None:
         with self._lock:
             self.misses += 1
+            table = tables.setdefault(_SCOPE.get(), OrderedDict())
             table[key] = (workload, value)
             table.move_to_end(key)
             while len(table) > most:
@@ -108,7 +118,7 @@ class ModelCache:
         An exception from ``compute`` is raised and nothing is kept, so a failure is recomputed (and
         raised again) at the next request.
         """
-        full = (_SCOPE.get(), kind, id(workload), workload.name, *key)
+        full = (kind, id(workload), workload.name, *key)
         found = self._get(self._values, full, workload)
         if found is not _MISSING:
             return found  # type: ignore[no-any-return]
@@ -131,7 +141,7 @@ class ModelCache:
 
         A model that cannot be deep-copied is built afresh every time (the cache remembers that).
         """
-        key = (_SCOPE.get(), id(workload), workload.name, name, model_args)
+        key = (id(workload), workload.name, name, model_args)
         pristine = self._get(self._models, key, workload)
         if pristine is _MISSING:
             built = workload.build_model(name, **json.loads(model_args or "{}"))

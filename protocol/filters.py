@@ -317,7 +317,10 @@ def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_nor
 
     The update runs block by block over ``CHARGE_BLOCK`` units, each block with the same
     elementwise operations in the same order, so the result is the same as one pass over
-    the whole array, bit for bit; only the memory traffic differs.
+    the whole array, bit for bit; only the memory traffic differs. Validation: a NaN,
+    infinite or negative norm, or a non-finite cost, raises as before; a filter of zero
+    units gets an empty charge, and finite norms whose plain sum would overflow are accepted
+    (the one-pass version refused both, as side effects of numpy reductions).
     """
     sigma = positive("noise_std", noise_std)
     norms = np.asarray(l2_norms, dtype=np.float64).reshape(-1)

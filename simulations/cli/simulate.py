@@ -57,8 +57,8 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument(
         "--ray-address",
         help="run the virtual clients on an existing Ray cluster (host:port of its head, or auto; default: "
-        "RAY_ADDRESS, else Ray starts on this machine); every node must see the --out folder (the clients' data "
-        "and ledgers live there)",
+        "RAY_ADDRESS, else Ray starts on this machine); its nodes must share this host's disk (the clients' "
+        "ledgers under --out are SQLite files that work on one host only)",
     )
     p.set_defaults(handler=run)
 

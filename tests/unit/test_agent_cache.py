@@ -215,3 +215,89 @@ def test_default_capacity_fits_the_descriptor_limit() -> None:
     from client_agent.direct import AGENTS
 
     assert 16 <= AGENTS.max_entries <= MOST_KEPT
+
+
+def test_a_reopened_ledger_keeps_its_commits_when_another_process_closes_it(tmp_path: Path) -> None:
+    """Ledger.reopen must not drop this process's SQLite locks: a Python open and close of the file while a
+    connection to it is open does (POSIX), and another process closing the ledger then checkpoints and
+    deletes the WAL this process still commits to, losing the commit (found in review of issue 24)."""
+    import subprocess
+    import sys
+
+    from client_agent.ledger import LedgerConfig
+
+    path = str(tmp_path / "ledger.sqlite")
+    setup = (
+        "import sys, numpy as np; from client_agent.ledger import Ledger, LedgerConfig\n"
+        "cfg = LedgerConfig(filter='gdp', epsilon=1.0, delta=1e-5, unit='record', trust='local', n_units=2,"
+        " params={})\n"
+        "led = Ledger.open(sys.argv[1], cfg, initial_state={'spent': np.zeros(2)})\n"
+        "if sys.argv[2] != '-':\n"
+        "    led.state(); led.commit(request_id=sys.argv[2], message_type='gradient', run_id='r', digest='0' * 64,"
+        " release={'x': np.zeros(1)}, new_state={'spent': np.full(2, 0.2)}, reply=b'ok')\n"
+        "print(led.requests_answered()); led.close()\n"
+    )
+
+    def other(request_id: str = "-") -> int:
+        run = subprocess.run([sys.executable, "-c", setup, path, request_id], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return int(run.stdout.split()[-1])
+
+    cfg = LedgerConfig(filter="gdp", epsilon=1.0, delta=1e-5, unit="record", trust="local", n_units=2, params={})
+
+    def commit(ledger: Ledger, request_id: str, spent: float) -> None:
+        ledger.state()
+        ledger.commit(
+            request_id=request_id,
+            message_type="gradient",
+            run_id="r",
+            digest="0" * 64,
+            release={"x": np.zeros(1)},
+            new_state={"spent": np.full(2, spent)},
+            reply=b"ok",
+        )
+
+    ledger = Ledger.open(path, cfg, initial_state={"spent": np.zeros(2)})
+    commit(ledger, "q1", 0.1)
+    assert other("q2") == 2  # another actor commits
+    ledger.reopen()  # what the agent cache does when it sees that commit
+    assert other() == 2  # another process opens and closes the ledger
+    commit(ledger, "q3", 0.9)
+    assert other() == 3  # a third open sees this process's commit
+    ledger.close()
+    assert other() == 3
+
+
+def test_an_agent_whose_ledger_another_process_committed_to_keeps_every_commit(
+    tmp_path: Path, cache: AgentCache
+) -> None:
+    """The same through the agent cache and real requests, each process answering in turn."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = node_config(tmp_path)
+    other = (
+        "import json, sys; from client_agent.direct import answer_request; from protocol import messages as wire;"
+        "from tests import factories; from client_agent.ledger import Ledger; cfg = json.loads(sys.argv[1]);"
+        "i = int(sys.argv[2])\n"
+        "if i: assert not answer_request(cfg, wire.GRADIENT, *wire.encode_request(factories.gradient_request("
+        "f'r{i}', round=i, noise_std=4.0)), cache=None, simulation=True).is_error\n"
+        "with Ledger.open_existing(cfg['ledger-path']) as ledger: print(ledger.requests_answered())"
+    )
+
+    def in_another_process(i: int) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", other, json.dumps(cfg), str(i)], capture_output=True, text=True, check=True
+        )
+        return int(run.stdout.split()[-1])
+
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache, simulation=True).is_error
+    assert in_another_process(2) == 2  # another actor commits: this agent reopens its ledger next
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(3), cache=cache, simulation=True).is_error
+    assert cache.refreshed == 1
+    assert in_another_process(0) == 3  # another process opens and closes the ledger
+    assert not answer_request(cfg, wire.GRADIENT, *gradient(4), cache=cache, simulation=True).is_error
+    assert in_another_process(0) == 4  # this commit is in the file every process reads
+    cache.clear()
+    assert in_another_process(0) == 4

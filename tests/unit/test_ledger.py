@@ -608,3 +608,25 @@ def test_malformed_state_layout_is_corrupt_not_a_crash(tmp_path: Path) -> None:
     conn.close()
     with pytest.raises(LedgerError, match=r"corrupt.*expected a state layout of \{name: \{shape, dtype\}\}"):
         Ledger.open_existing(path)
+
+
+def test_a_ledger_on_a_network_filesystem_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite's WAL works on one host only: two hosts could each commit against their own view of the
+    ledger (review of issue 24: a Ray cluster over several hosts sharing --out)."""
+    import client_agent.ledger as ledger_module
+
+    mounts = tmp_path / "mountinfo"
+    mounts.write_text(
+        "22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n"
+        f"99 22 0:50 / {tmp_path}/shared rw,relatime - nfs4 server:/export rw\n"
+    )
+    (tmp_path / "shared").mkdir()
+    assert ledger_module.network_filesystem(tmp_path / "shared" / "l.sqlite", str(mounts)) == "nfs4"
+    assert ledger_module.network_filesystem(tmp_path / "local.sqlite", str(mounts)) is None
+    assert ledger_module.network_filesystem(tmp_path / "sharedx" / "l.sqlite", str(mounts)) is None  # a prefix only
+    real = ledger_module.network_filesystem
+    monkeypatch.setattr(ledger_module, "network_filesystem", lambda path: real(path, str(mounts)))
+    path = tmp_path / "shared" / "l.sqlite"
+    with pytest.raises(LedgerError, match="expected a local filesystem, found nfs4"):
+        Ledger.open(path, make_config(), initial_state=fresh_state())
+    assert not path.exists()  # nothing created

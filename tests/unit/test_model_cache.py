@@ -88,8 +88,14 @@ def test_entries_are_per_scope_per_workload_object_and_bounded() -> None:
         assert cache.memo("k", BUILTIN, ("m",), lambda: compute("again")) == "alpha"
     assert computed == ["alpha", "beta"]
     other = counting_workload([])  # another workload object never sees this one's entries
-    assert cache.memo("k", other, ("m",), lambda: compute("other")) == "other"
-    assert len(cache._values) == 2  # bounded: the least recently used entry was dropped
+    with scope("alpha"):
+        assert cache.memo("k", other, ("m",), lambda: compute("other")) == "other"
+        # alpha's table holds its two entries; a third evicts alpha's own oldest, never beta's
+        assert cache.memo("k", BUILTIN, ("n",), lambda: compute("third")) == "third"
+    with scope("beta"):  # beta's entry is still there whatever alpha did: no timing hint either way
+        assert cache.memo("k", BUILTIN, ("m",), lambda: compute("beta again")) == "beta"
+    assert computed == ["alpha", "beta", "other", "third"]
+    assert sorted(len(t) for t in cache._values.values()) == [1, 2]  # bounded per federation
 
 
 def test_an_agent_builds_the_requests_model_once_across_requests_and_agents(tmp_path: Path) -> None:
