@@ -234,10 +234,10 @@ class SvtReliability:
         )
 
 
-def _below_probability(gap: NDArray[np.float64], scale: float) -> NDArray[np.float64]:
-    """P(nu >= gap) for nu ~ Lap(0, scale), elementwise."""
-    upper = 0.5 * np.exp(-np.maximum(gap, 0.0) / scale)
-    return np.where(gap >= 0.0, upper, 1.0 - 0.5 * np.exp(np.minimum(gap, 0.0) / scale))
+def _below_probability(gap: NDArray[np.float64]) -> NDArray[np.float64]:
+    """P(nu >= gap * b) for nu ~ Lap(0, b), elementwise (``gap`` in units of the scale b)."""
+    upper = 0.5 * np.exp(-np.maximum(gap, 0.0))
+    return np.where(gap >= 0.0, upper, 1.0 - 0.5 * np.exp(np.minimum(gap, 0.0)))
 
 
 def svt_reliability(
@@ -249,18 +249,19 @@ def svt_reliability(
     for name, value in (("population", population), ("rounds", rounds), ("late_rounds", late_rounds)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
-    scale = 2.0 / epsilon  # both halves of epsilon: rho ~ Lap(1/eps_1), nu ~ Lap(1/eps_2), eps_1 = eps_2 = eps/2
-    # rho on a grid wide enough that the Laplace tails beyond it hold < 1e-12 of the mass.
-    rho = np.linspace(-30.0 * scale, 30.0 * scale, 120_001)
-    weight = np.exp(-np.abs(rho) / scale) / (2.0 * scale)
+    # Both noises have scale b = 2/eps (rho ~ Lap(1/eps_1), nu ~ Lap(1/eps_2), eps_1 = eps_2 = eps/2). Work in
+    # units of b, so a tiny (even subnormal) epsilon cannot overflow: u = rho / b on a grid wide enough that
+    # the Laplace tails beyond it hold < 1e-12 of the mass.
+    u = np.linspace(-30.0, 30.0, 120_001)
+    weight = np.exp(-np.abs(u)) / 2.0
 
     def integrate(values: NDArray[np.float64]) -> float:  # the trapezoid rule on the grid (numpy >= 1.26)
-        return float(np.sum((values[1:] + values[:-1]) * np.diff(rho)) / 2.0)
+        return float(np.sum((values[1:] + values[:-1]) * np.diff(u)) / 2.0)
 
     weight /= integrate(weight)
 
-    def p_below(count: int) -> NDArray[np.float64]:
-        return _below_probability(count - threshold + 0.5 + rho, scale)
+    def p_below(count: int) -> NDArray[np.float64]:  # "below" iff nu - rho >= count - T + 1/2
+        return _below_probability((count - threshold + 0.5) * (epsilon / 2.0) + u)
 
     false_stop = integrate(weight * (1.0 - (1.0 - p_below(population)) ** rounds))
     late_count = max(threshold // 2, 0)

@@ -78,9 +78,10 @@ def run(
             population=max(enrolment.units_enrolled, 1),
             rounds=cfg.rounds,
         )
-        reliability = asdict(rel) | {"separates": rel.separates, "warning": rel.warning()}
-        if rel.warning() is not None:
-            LOG.warning("monitor: %s", rel.warning())
+        warning = rel.warning()
+        reliability = asdict(rel) | {"separates": rel.separates, "warning": warning}
+        if warning is not None:
+            LOG.warning("monitor: %s", warning)
     progress = Progress(cfg.rounds, stream=progress_stream, enabled=cfg.progress)
     logs: list[RoundLog] = []
     errors_total: Counter[str] = Counter()

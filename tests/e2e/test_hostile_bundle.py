@@ -73,7 +73,7 @@ from simulations.deploy.local import (
     stage_app,
     wait_for,
 )
-from tests.e2e.common import make_parts, snapshot
+from tests.e2e.common import cannot_run, make_parts, snapshot
 
 pytestmark = pytest.mark.flower
 
@@ -125,13 +125,6 @@ def node_python() -> str | None:
         if probe.returncode == 0 and probe.stdout.strip() == wanted:
             return real
     return None
-
-
-def cannot_run(reason: str) -> None:
-    """Skip with ``reason``; under CI=true fail with it instead: CI must run these tests, never skip them."""
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"this test must run in CI and cannot: {reason}")
-    pytest.skip(reason)
 
 
 def skip_reason() -> str | None:
@@ -701,7 +694,7 @@ def test_honest_spend_is_intact(scenario: World) -> None:
         assert hostile["rounds_completed"] == 1
 
 
-def test_a_hostile_bundle_test_that_cannot_run_fails_under_ci_and_skips_elsewhere(
+def test_an_e2e_test_that_cannot_run_fails_under_ci_and_skips_elsewhere(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("CI", "true")

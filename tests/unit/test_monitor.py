@@ -135,5 +135,8 @@ def test_a_monitor_that_cannot_tell_20_from_2_says_so() -> None:
     assert weak.warning() is not None and "cannot tell 20 active units from its threshold of 2" in weak.warning()
     strong = svt_reliability(epsilon=1.0, threshold=100, population=1000, rounds=30)
     assert strong.separates and strong.warning() is None
+    for epsilon in (5e-324, 1e300):  # subnormal and huge: probabilities, never NaN (computed in units of 2/eps)
+        extreme = svt_reliability(epsilon=epsilon, threshold=2, population=20, rounds=30)
+        assert 0.0 <= extreme.false_stop <= 1.0 and 0.0 <= extreme.late_stop <= 1.0
     with pytest.raises(ValueError, match="population: expected an integer >= 1"):
         svt_reliability(epsilon=1.0, threshold=2, population=0, rounds=3)
