@@ -4,7 +4,7 @@
   streamed by :mod:`client_agent.streaming` (norms, then the clipped sum); (``client``
   units): the gradient of the client's mean loss, one row.
 - indicator (``record`` units): each record's 0/1 predicate value; (``client`` units):
-  the client's count of records for which it holds, one row of length 1.
+  the client's count of records for which it holds (or, with ``reduce`` 'mean', the fraction), one row.
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ def indicator_rows(
 
     ``x`` and ``y`` are the records as arrays, or ``x`` is a data source (``y`` None), read in batches.
     ``record`` units: one row of the query's ``dim`` per record, each within the query's declared L2
-    bound (workloads.registry.bounded_rows); ``client`` units: the sum of the client's rows, one row.
+    bound (workloads.registry.bounded_rows); ``client`` units: the sum of the client's rows, one row
+    (with ``reduce`` 'mean', their mean: within the same bound; zeros for a client without records).
     A name the workload does not register, or a ``column`` beyond the features, is malformed.
     """
     registry = workload if workload is not None else BUILTIN
@@ -232,5 +233,8 @@ def indicator_rows(
     values = np.concatenate(parts) if len(parts) > 1 else parts[0]
     if unit == "record":
         return values
-    summed: NDArray[np.float32] = values.sum(axis=0, keepdims=True, dtype=np.float64).astype(np.float32)
-    return summed
+    summed = values.sum(axis=0, keepdims=True, dtype=np.float64)
+    if request.reduce == "mean":
+        summed /= max(len(values), 1)
+    out: NDArray[np.float32] = summed.astype(np.float32)
+    return out

@@ -20,6 +20,10 @@ from protocol.errors import FedfilterError
 from workloads.registry import BUILTIN_REF, Workload, WorkloadError, load_workload
 
 MONITORS: tuple[str, ...] = ("none", "svt", "tree")
+# How the private accuracy checks pick the returned model (coordinator/tasks.py, GradientTask):
+# 'best' the highest noisy accuracy (FZ Sec. 5.1); 'guarded' a later check replaces the best only
+# when it beats it beyond both checks' noise bounds (never worse than the first check, w.p. 1 - alpha).
+PLATEAU_RULES: tuple[str, ...] = ("best", "guarded")
 
 
 class CoordinatorConfigError(FedfilterError, ValueError):
@@ -56,13 +60,19 @@ class CoordinatorConfig:
     analyst: str = "sweep"  # indicator task: 'sweep', 'refine' or 'cycle' (coordinator.analysts)
     query_columns: int = 0  # indicator task: how many columns the analyst may ask about (0: as many as rounds)
     accuracy_beta: float = 0.05  # indicator task: all stated error bounds hold together w.p. 1 - beta
-    # Private plateau (gradient task): every k rounds a noisy count of correctly classified training
-    # records, charged by every unit's filter like any release; stop after `patience` checks without
-    # an improvement of more than `min_delta` in that count / n_public.
+    # Private plateau and model selection (gradient task): every k rounds a noisy training accuracy (record
+    # units: the count of correctly classified records; client units: the sum of each client's fraction),
+    # charged by every unit's filter like any release, divided by n_public; the run keeps the best round's
+    # model by `plateau_rule` and stops after `patience` checks without a new best.
     plateau_every: int = 0
-    plateau_start: int = 0  # no count before this round (model selection after a fixed horizon, FZ Sec. 5.1)
+    # Checks at rounds start, start + every, ... (0: every, 2 every, ...); model selection from the worst-case
+    # horizon, FZ Sec. 5.1.
+    plateau_start: int = 0
     plateau_patience: int = 3
     plateau_min_delta: float = 0.0
+    plateau_noise_std: float = 0.0  # the checks' noise std (clip 1: an accuracy never exceeds 1); 0: noise_std
+    plateau_rule: str = "best"
+    plateau_alpha: float = 0.05  # 'guarded': every check's noise within its bound, all together w.p. 1 - alpha
     eval_every: int = 0  # evaluate on server-side test data every k rounds (0: never)
     test_data: str = ""  # .npz with x, y (deployment; simulations pass an evaluate callable)
     checkpoint_every: int = 0  # save the model every k rounds and at the end (needs output_dir)
@@ -115,6 +125,7 @@ class CoordinatorConfig:
             ("trust", self.trust, wire.TRUST_MODES),
             ("unit", self.unit, wire.UNITS),
             ("monitor", self.monitor, MONITORS),
+            ("plateau_rule", self.plateau_rule, PLATEAU_RULES),
         ):
             if value not in choices:
                 raise CoordinatorConfigError(f"{name}: expected one of {choices}, got {value!r}")
@@ -175,10 +186,18 @@ class CoordinatorConfig:
             raise CoordinatorConfigError(
                 f"plateau_min_delta: expected a number in [0, 1), got {self.plateau_min_delta!r}"
             )
-        if self.plateau_every and (self.task != "gradient" or self.unit != "record"):
+        sigma = self.plateau_noise_std
+        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
             raise CoordinatorConfigError(
-                "plateau_every: the plateau test counts correctly classified records; it needs the gradient "
-                "task and record units"
+                f"plateau_noise_std: expected a finite number >= 0 (0: noise_std), got {sigma!r}"
+            )
+        alpha = self.plateau_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+            raise CoordinatorConfigError(f"plateau_alpha: expected a number in (0, 1), got {alpha!r}")
+        if self.plateau_every and self.task != "gradient":
+            raise CoordinatorConfigError(
+                "plateau_every: the plateau test asks the training accuracy of the run's model; it needs the "
+                "gradient task"
             )
         if self.eval_every and self.task != "gradient":
             raise CoordinatorConfigError("eval_every: evaluation applies to the gradient task only")

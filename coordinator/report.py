@@ -116,13 +116,14 @@ class RunWriter:
             fh.write(json.dumps(line, sort_keys=True, default=_json_default) + "\n")
             fh.flush()
 
-    def checkpoint(self, rnd: int, parameters: np.ndarray) -> str | None:
+    def checkpoint(self, rnd: int, parameters: np.ndarray, *, name: str = "round") -> str | None:
+        """``checkpoints/<name>_<round>.npz``: ``round`` every k rounds and the last, ``selected`` the chosen model."""
         if self.dir is None:
             return None
         folder = self.dir / "checkpoints"
         folder.mkdir(exist_ok=True)
-        path = folder / f"round_{rnd:05d}.npz"
-        tmp = folder / f".round_{rnd:05d}.tmp.npz"
+        path = folder / f"{name}_{rnd:05d}.npz"
+        tmp = folder / f".{name}_{rnd:05d}.tmp.npz"
         np.savez(tmp, parameters=parameters, round=np.array(rnd))
         os.replace(tmp, path)
         return str(path)

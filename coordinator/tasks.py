@@ -49,6 +49,24 @@ if TYPE_CHECKING:
     from coordinator.enrolment import Enrolment
 
 Evaluate = Callable[[np.ndarray], dict[str, float]]
+# The clip of a training-accuracy check: each unit's value (a 0/1 indicator, or a client's fraction) is at most 1.
+PLATEAU_CLIP = 1.0
+
+
+def plateau_round(cfg: CoordinatorConfig, rnd: int) -> bool:
+    """Whether round ``rnd`` asks an accuracy check: rounds start, start + every, ... (every, 2 every, ...
+    when start is 0), so with start at the worst-case horizon the first check sees that round's model."""
+    every, start = cfg.plateau_every, cfg.plateau_start
+    return bool(every) and rnd >= max(start, 1) and (rnd - start) % every == 0
+
+
+def plateau_checks(cfg: CoordinatorConfig) -> int:
+    """How many accuracy checks the run can ask (:func:`plateau_round` over rounds 1..rounds)."""
+    every, start = cfg.plateau_every, cfg.plateau_start
+    if not every:
+        return 0
+    first = start if start >= 1 else every
+    return max((cfg.rounds - first) // every + 1, 0) if first <= cfg.rounds else 0
 
 
 @dataclass(frozen=True)
@@ -161,8 +179,14 @@ def indicator_request(
     secagg: wire.SecaggInput | None = None,
     *,
     parameters: np.ndarray | None = None,
+    reduce: str = "sum",
+    noise_std: float | None = None,
+    l2_clip: float | None = None,
 ) -> wire.IndicatorRequest:
-    """A counting query; the 'correct' predicate also carries the model it evaluates."""
+    """A counting query; the 'correct' predicate also carries the model it evaluates.
+
+    ``noise_std`` and ``l2_clip`` (default: the run's) set the query's own noise and clip.
+    """
     model: dict[str, Any] = {}
     if parameters is not None:
         model = {
@@ -171,13 +195,16 @@ def indicator_request(
             "parameters": parameters,
             "layout": model_layout(cfg),
         }
+    fields = common_fields(cfg, purpose, rnd)
+    fields.update({k: v for k, v in (("noise_std", noise_std), ("l2_clip", l2_clip)) if v is not None})
     return wire.IndicatorRequest(
-        **common_fields(cfg, purpose, rnd),
+        **fields,
         predicate=query.predicate,
         column=query.column,
         value=float(query.value),
         **model,
         secagg=secagg,
+        reduce=reduce,
     )
 
 
@@ -188,10 +215,10 @@ def indicator_request(
 class GradientTask:
     """Federated GD: broadcast the model, step by the noisy sum of clipped gradients over the public n.
 
-    Every ``plateau_every`` rounds (from round ``plateau_start`` on) it also releases a noisy count of
-    correctly classified training records (the private plateau test, a counting release every filter
-    charges), evaluates on the
-    server's test data every ``eval_every`` rounds and checkpoints every ``checkpoint_every``.
+    Every ``plateau_every`` rounds (from round ``plateau_start`` on) it also releases a noisy training
+    accuracy (:meth:`_plateau`, a counting release every filter charges) and keeps the best round's
+    model by ``plateau_rule`` (private model selection, FZ Sec. 5.1); it evaluates on the server's test
+    data every ``eval_every`` rounds and checkpoints every ``checkpoint_every``.
     """
 
     def __init__(
@@ -208,6 +235,9 @@ class GradientTask:
         self.metrics: dict[str, float] = {}
         self.checkpoint: str | None = None
         self.plateau_best, self.plateau_stale = -math.inf, 0
+        self.plateau_bound = 0.0  # the best check's noise bound ('guarded')
+        self.checks: list[dict[str, Any]] = []  # every accuracy check: round, private accuracy, noise bound
+        self.selected: tuple[int, np.ndarray] | None = None  # the best check's round and model
 
     @classmethod
     def build(cls, cfg: CoordinatorConfig, *, analyst: Analyst | None, evaluate: Evaluate | None) -> GradientTask:
@@ -256,7 +286,7 @@ class GradientTask:
                 self.parameters = step.astype(np.float32)
             else:  # a reply far out of range (a faulty or hostile client); post-processing, no privacy cost
                 ctx.errors["non-finite-step"] += 1
-        if cfg.plateau_every and rnd >= cfg.plateau_start and rnd % cfg.plateau_every == 0:
+        if plateau_round(cfg, rnd):
             self._plateau(ctx)
         if self.evaluate is not None and cfg.eval_every and rnd % cfg.eval_every == 0:
             self.metrics = self.evaluate(self.parameters)
@@ -265,17 +295,51 @@ class GradientTask:
             self.checkpoint = ctx.writer.checkpoint(rnd, self.parameters)
 
     def _plateau(self, ctx: RoundContext) -> None:
-        """Noisy count of correctly classified training records / n; stale when it does not beat the best."""
-        build = partial(indicator_request, self.cfg, "plateau", ctx.rnd, Query("correct"), parameters=self.parameters)
+        """A noisy training accuracy of the current model; a new best replaces the selected model, else stale.
+
+        Each unit's value is at most 1: a record's 0/1 indicator that the model classifies it correctly
+        (record units), or the fraction of a client's records it classifies correctly (client units,
+        ``reduce`` 'mean'). So the check is sent with clip 1 and its own noise (``plateau_noise_std``);
+        each filter charges it like any release, and a unit that has stopped answers the null element.
+        The noisy sum is divided by the public n (privacy.md §4).
+
+        ``plateau_rule`` 'guarded': with h_i the half-width that holds every check's noise (std s_i =
+        the release's noise std / n) within +-h_i, all K checks together w.p. >= 1 - alpha (a union
+        bound, :func:`gaussian_bound`), a check replaces the best only when a_j - h_j > a_best + h_best
+        (+ min_delta). On that event every replacement is a true gain: the check's value is at most the
+        model's training accuracy (a stopped or partially clipped unit answers less than its fraction),
+        and the first check's is all of it when every unit can still answer it in full (the run's first
+        check at its worst-case horizon, with one check's cost set aside). So the selected model's
+        training accuracy is at least the first check's model's, w.p. >= 1 - alpha. 'best' is FZ's rule,
+        the highest noisy value.
+        """
+        cfg = self.cfg
+        build = partial(
+            indicator_request,
+            cfg,
+            "plateau",
+            ctx.rnd,
+            Query("correct"),
+            parameters=self.parameters,
+            reduce="mean" if cfg.unit == "client" else "sum",
+            noise_std=cfg.plateau_noise_std or cfg.noise_std,
+            l2_clip=PLATEAU_CLIP,
+        )
         released = ctx.release.release(Ask(ctx.rnd, "plateau", wire.INDICATOR, build, 1))
         ctx.errors.update({f"plateau-{name}": count for name, count in released.errors.items()})
-        accuracy = math.nan if released.total is None else float(released.total[0]) / self.cfg.n_public
+        accuracy = math.nan if released.total is None else float(released.total[0]) / cfg.n_public
         # JSON has no NaN: an aborted secagg count is logged as null.
         ctx.log.metrics["train_accuracy_private"] = None if math.isnan(accuracy) else accuracy
         if math.isnan(accuracy):
-            pass  # an aborted secagg count says nothing: neither better nor stale
-        elif accuracy > self.plateau_best + self.cfg.plateau_min_delta:
-            self.plateau_best, self.plateau_stale = accuracy, 0
+            return  # an aborted secagg count says nothing: neither better nor stale
+        bound = 0.0
+        if cfg.plateau_rule == "guarded":
+            std = math.sqrt(released.noise_var) / cfg.n_public
+            bound = gaussian_bound(noise_std=std, queries=plateau_checks(cfg), beta=cfg.plateau_alpha) if std else 0.0
+        self.checks.append({"round": ctx.rnd, "train_accuracy_private": accuracy, "noise_bound": bound})
+        if accuracy - bound > self.plateau_best + self.plateau_bound + cfg.plateau_min_delta:
+            self.plateau_best, self.plateau_bound, self.plateau_stale = accuracy, bound, 0
+            self.selected = (ctx.rnd, self.parameters.copy())
         else:
             self.plateau_stale += 1
 
@@ -294,10 +358,39 @@ class GradientTask:
         out: dict[str, Any] = {"final_metrics": self.metrics}
         if self.checkpoint:
             out["checkpoint"] = self.checkpoint
+        if self.cfg.plateau_every:
+            out["selection"] = self._selection(logs, writer)
+        return out
+
+    def _selection(self, logs: list[RoundLog], writer: RunWriter) -> dict[str, Any]:
+        """The private model selection: its rule, every check, the selected round, its model's metrics."""
+        cfg = self.cfg
+        out: dict[str, Any] = {
+            "rule": cfg.plateau_rule,
+            "every": cfg.plateau_every,
+            "start": cfg.plateau_start,
+            "noise_std": cfg.plateau_noise_std or cfg.noise_std,
+            "alpha": cfg.plateau_alpha if cfg.plateau_rule == "guarded" else None,
+            "checks": self.checks,
+            "round": None,
+            "metrics": {},
+        }
+        if self.selected is None:  # no check was answered
+            return out
+        rnd, parameters = self.selected
+        out["round"], out["train_accuracy_private"] = rnd, self.plateau_best
+        logged = next((log.metrics for log in logs if log.round == rnd), {})
+        metrics: dict[str, Any] = {k: v for k, v in logged.items() if k != "train_accuracy_private"}
+        if not metrics and self.evaluate is not None:
+            metrics = dict(self.evaluate(parameters))
+        out["metrics"] = metrics
+        if cfg.output_dir:
+            out["checkpoint"] = writer.checkpoint(rnd, parameters, name="selected")
         return out
 
     def result(self) -> dict[str, Any]:
-        return {"parameters": self.parameters}
+        selected = {} if self.selected is None else {"selected_parameters": self.selected[1]}
+        return {"parameters": self.parameters, **selected}
 
 
 def _saved_parameters(cfg: CoordinatorConfig, size: int) -> np.ndarray:

@@ -51,6 +51,8 @@ MESSAGE_TYPES: tuple[str, ...] = (GRADIENT, INDICATOR, MONITOR, STATUS, *SECAGG_
 # client adds N(0, sigma^2 / m) and masks its input, the coordinator learns only the sum of >= m inputs.
 TRUST_MODES: tuple[str, ...] = ("local", "central", "secagg")
 UNITS: tuple[str, ...] = ("client", "record")
+# How an indicator request's client unit folds its records' rows (IndicatorRequest.reduce).
+REDUCTIONS: tuple[str, ...] = ("sum", "mean")
 
 # An indicator query names a query of the client's workload (workloads/registry.py): any name of
 # letters, digits, '_', '.', '-' decodes; a name the client's workload does not register is refused
@@ -279,7 +281,11 @@ class IndicatorRequest(RequestBase):
     """An adaptive counting query: each unit's indicator of a predicate on its data (FZ Thm 1.2).
 
     Privacy: in ``record`` units each record contributes its 0/1 indicator, clipped by
-    partial clipping; in ``client`` units the client's count, clipped to ``l2_clip``.
+    partial clipping; in ``client`` units the client's count (``reduce`` 'sum') or the mean of its
+    records' rows (``reduce`` 'mean': a fraction in [0, 1] for a 0/1 query, e.g. the client's
+    training accuracy for private model selection), clipped to ``l2_clip``. Either is a function of
+    the unit's own data, so the charge is the same argument (privacy.md §2); in ``record`` units
+    each unit holds one record and the two are the same.
     """
 
     noise_std: float
@@ -294,6 +300,9 @@ class IndicatorRequest(RequestBase):
     parameters: NDArray[np.float32] | None = field(default=None, repr=False)
     secagg: SecaggInput | None = field(default=None, repr=False)  # trust 'secagg' only
     layout: str | None = None  # with a model: its parameter layout, as in GradientRequest
+    # How a client unit folds its records' rows: 'sum' (the default, left off the wire so a request has
+    # one encoding) or 'mean'.
+    reduce: str = "sum"
 
 
 @dataclass(frozen=True, eq=False)
@@ -403,7 +412,7 @@ SecaggStepRequest = SecaggKeysRequest | SecaggSharesRequest | SecaggCheckRequest
 _BASE_KEYS = {"request_id", "run_id", "round"}
 _GRADIENT_KEYS = _BASE_KEYS | {"noise_std", "l2_clip", "trust", "unit", "model", "model_args"}
 _LOCAL_TRAINING_KEYS = {"local_steps", "local_lr", "local_batch_size"}
-_INDICATOR_KEYS = _BASE_KEYS | {"noise_std", "l2_clip", "trust", "unit", "predicate", "column", "value"}
+_INDICATOR_KEYS = _BASE_KEYS | {"noise_std", "l2_clip", "trust", "unit", "predicate", "column", "value", "reduce"}
 _MODEL_KEYS = {"model", "model_args", "layout"}
 _MONITOR_KEYS = _BASE_KEYS | {"trust"}
 _SECAGG_INPUT_KEYS = {"secagg_session", "secagg_scale_bits", "secagg_value_bound"}
@@ -475,6 +484,7 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
             value=_real(config, "value", kind),
             **model,
             **masked,
+            **_reduce(config, kind),
         )
     if message_type == MONITOR:
         noise: dict[str, Any] = {"noise_std": _positive(config, "noise_std", kind)} if secagg else {}
@@ -597,6 +607,16 @@ def _fingerprint(config: Mapping[str, Any], kind: str) -> str:
     return value
 
 
+def _reduce(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """An indicator request's optional ``reduce``: 'mean', or left out for 'sum' (one encoding per request)."""
+    if "reduce" not in config:
+        return {}
+    value = _str(config, "reduce", kind)
+    if value != "mean":
+        raise ProtocolError(f"{kind}: 'reduce' must be 'mean' when given (leave it out for 'sum'), got {value!r:.80}")
+    return {"reduce": value}
+
+
 def _local_training(config: Mapping[str, Any], kind: str, unit: str) -> dict[str, Any]:
     """A gradient request's local-training fields: none of them, or all three with local_steps >= 1.
 
@@ -677,7 +697,8 @@ def encode_request(request: Request) -> tuple[dict[str, Any], dict[str, NDArray[
     arrays: dict[str, NDArray[Any]] = {}
     for f in fields(request):
         value = getattr(request, f.name)
-        if value is None or (f.name == "local_steps" and value == 0):  # 0: a plain gradient request
+        # Defaults left off the wire (one encoding per request): 0 local steps, the 'sum' reduction.
+        if value is None or (f.name == "local_steps" and value == 0) or (f.name == "reduce" and value == "sum"):
             continue
         if isinstance(value, SecaggInput):
             config.update(

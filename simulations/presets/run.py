@@ -92,6 +92,14 @@ def headline(summary: dict[str, Any]) -> list[str]:
                 f"Test accuracy at the worst-case stop (round {worst}): {acc[worst]:.4f}; "
                 f"at round {last} with individual filtering: {acc[last]:.4f}."
             )
+        selection = summary.get("selection")
+        if selection and selection["round"] is not None:
+            chosen = selection["metrics"].get("accuracy")
+            said = "" if chosen is None else f", test accuracy {chosen:.4f}"
+            lines.append(
+                f"Private model selection ({selection['rule']} rule, {len(selection['checks'])} checks) returned "
+                f"round {selection['round']}{said} (checkpoints/selected_{selection['round']:05d}.npz)."
+            )
     else:
         lines.append(
             f"Queries answered: {summary['queries_answered']}; worst-case accounting: {summary['worst_case_queries']} "

@@ -351,6 +351,33 @@ def test_client_units_one_filter(tmp_path: Path) -> None:
     assert state["spent"][0] <= 1 / 16
 
 
+def test_client_accuracy_is_the_fraction_of_its_records_and_costs_its_square(tmp_path: Path) -> None:
+    # Private model selection for client units (issue 24): reduce 'mean' makes a client's row the
+    # fraction of its records the model classifies correctly, a value in [0, 1] whatever the client's
+    # size, charged (fraction / sigma)^2 like any release; 'sum' (the wire default) is the count.
+    agent = make_agent(tmp_path, unit="client", trust="central")
+    data = np.load(tmp_path / "data.npz")
+    params = np.zeros(N_PARAMS, np.float32)
+    params[0] = -1.0  # predicts class 1 exactly when x0 > 0
+    logits = np.stack([-data["x"][:, 0], np.zeros(len(data["x"]))], axis=1)
+    fraction = float(np.mean(logits.argmax(axis=1) == data["y"]))
+    assert 0.0 < fraction <= 1.0
+    model = {"predicate": "correct", "model": "logreg", "model_args": MODEL_ARGS, "parameters": params}
+    mean = indicator_request("acc", run_id="q", unit="client", trust="central", noise_std=4.0, reduce="mean", **model)
+    config, arrays = wire.encode_request(mean)
+    assert config["reduce"] == "mean" and wire.decode_request(wire.INDICATOR, config, arrays).reduce == "mean"
+    outcome = agent.handle(wire.INDICATOR, config, arrays)
+    assert not outcome.is_error and outcome.arrays is not None
+    assert outcome.arrays["total"][0] == pytest.approx(fraction, rel=1e-6)  # central trust: no client noise
+    spent = agent.ledger.state()["spent"]
+    assert spent[0] == pytest.approx((fraction * (1 + 1e-6) / 4.0) ** 2, rel=1e-5)
+    # 'sum' is left off the wire (one encoding per request); any other value is malformed.
+    assert "reduce" not in wire.encode_request(replace(mean, reduce="sum"))[0]
+    for bad in ("sum", "max", ""):
+        with pytest.raises(wire.ProtocolError, match="'reduce'"):
+            wire.decode_request(wire.INDICATOR, config | {"reduce": bad}, arrays)
+
+
 REALISATION = {"realisation-max-rounds": 6, "epsilon": 5.0, "policy-max-clip": 1.0, "policy-min-noise-std": 2.0}
 
 
