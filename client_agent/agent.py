@@ -667,6 +667,8 @@ class Agent:
             "noise_std": field("noise_std"),
             "l2_clip": field("l2_clip"),
         }
+        if field("reduce") is not None:  # an indicator's 'mean' (left off the wire for the default 'sum')
+            line["reduce"] = field("reduce")
         workload = None
         if line["model"] is not None:
             workload = self._by_model.get(str(line["model"]))

@@ -24,6 +24,7 @@ from client_agent.streaming import (
     RowContributions,
     StreamedGradients,
     batch_tensor,
+    check_model,
     chunk_for_budget,
     record_shapes,
 )
@@ -185,6 +186,62 @@ def gradient_rows(request: wire.GradientRequest, x: NDArray[Any], y: NDArray[Any
 _QUERY_BATCH = 4096  # records per batch of an indicator query
 
 
+class OneRecordAtATime(torch.nn.Module):
+    """The request's model with every record's forward computed from that record alone (record units).
+
+    A query that runs the model (the accuracy check's 'correct') is one release per record: record i's
+    row must depend on record i only, or one record could move other records' answers, beyond the cost
+    each is charged (privacy.md §2). As in the gradient engine (client_agent.isolation), the forward of
+    a batch of one runs over the batch under ``torch.func.vmap``: no operator in the owner's model can
+    see another record, and a forward with data-dependent control flow cannot run at all.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.func import functional_call, vmap
+
+        state = (
+            {n: p.detach() for n, p in self.inner.named_parameters()},
+            {n: b.detach() for n, b in self.inner.named_buffers()},
+        )
+
+        def one(xi: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = functional_call(self.inner, state, (xi.unsqueeze(0),))
+            return out.squeeze(0)
+
+        with torch.no_grad():
+            result: torch.Tensor = vmap(one, randomness="error")(x)
+        return result
+
+
+def _usable_records(
+    registry: Workload, model: torch.nn.Module, bx: NDArray[Any], by: NDArray[Any], *, isolated: bool
+) -> tuple[NDArray[Any], NDArray[np.bool_]]:
+    """The batch with the records the workload's rule rejects (or with non-finite features) zeroed, and which
+    are usable: each record's verdict from that record alone in record units (``isolated``), as the gradient
+    engine decides it (client_agent.isolation.per_record_validity)."""
+    from client_agent.isolation import per_record_validity
+
+    xt, yt = batch_tensor(bx), batch_tensor(by)
+    if not yt.is_floating_point():
+        yt = yt.to(torch.int64)
+    flat = xt.reshape(len(xt), -1)
+    finite = torch.isfinite(flat).all(dim=1) if xt.is_floating_point() else torch.ones(len(xt), dtype=torch.bool)
+    safe = torch.where(finite.reshape(-1, *([1] * (xt.ndim - 1))), xt, torch.zeros((), dtype=xt.dtype))
+    inner = model.inner if isinstance(model, OneRecordAtATime) else model
+
+    def valid(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        return registry.valid(xs, ys, inner)
+
+    with torch.no_grad():
+        ok = finite & (per_record_validity(valid, safe, yt, vmapped=True) if isolated else valid(safe, yt).bool())
+    zeroed = np.where(ok.numpy().reshape(-1, *([1] * (bx.ndim - 1))), bx, np.zeros((), dtype=bx.dtype))
+    return zeroed, ok.numpy()
+
+
 def indicator_rows(
     request: wire.IndicatorRequest,
     x: NDArray[Any] | DataSource,
@@ -198,7 +255,9 @@ def indicator_rows(
     ``x`` and ``y`` are the records as arrays, or ``x`` is a data source (``y`` None), read in batches.
     ``record`` units: one row of the query's ``dim`` per record, each within the query's declared L2
     bound (workloads.registry.bounded_rows); ``client`` units: the sum of the client's rows, one row
-    (with ``reduce`` 'mean', their mean: within the same bound; zeros for a client without records).
+    (with ``reduce`` 'mean', their mean over all its records: within the same bound). A query that runs the
+    request's model sees each record alone in record units (:class:`OneRecordAtATime`), and a record the
+    workload's validity rule rejects answers 0 (the null element).
     A name the workload does not register, or a ``column`` beyond the features, is malformed.
     """
     registry = workload if workload is not None else BUILTIN
@@ -218,6 +277,9 @@ def indicator_rows(
             workload=registry,
             layout=request.layout,
         )
+    if model is not None and unit == "record":
+        check_model(model)  # what the per-record engine refuses (BatchNorm, training-mode dropout), refused here too
+        model = OneRecordAtATime(model)
     args = QueryArgs(column=request.column, value=request.value, model=model)
     batches = ((x, y),) if y is not None else x.batches(_QUERY_BATCH)  # type: ignore[union-attr]
     parts: list[NDArray[np.float32]] = []
@@ -229,7 +291,13 @@ def indicator_rows(
             raise wire.ProtocolError(
                 f"{wire.INDICATOR}: 'column' must be < {features} (the client's feature count), got {request.column}"
             )
-        parts.append(bounded_rows(query, query.rows(bx, by, args), len(bx)))
+        usable = None
+        if model is not None:  # a model's query: records the workload's rule rejects are the null element
+            bx, usable = _usable_records(registry, model, bx, by, isolated=unit == "record")
+        rows = bounded_rows(query, query.rows(bx, by, args), len(bx))
+        if usable is not None:
+            rows = np.where(usable.reshape(-1, 1), rows, np.float32(0.0)).astype(np.float32)
+        parts.append(rows)
     values = np.concatenate(parts) if len(parts) > 1 else parts[0]
     if unit == "record":
         return values

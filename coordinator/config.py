@@ -70,7 +70,9 @@ class CoordinatorConfig:
     plateau_start: int = 0
     plateau_patience: int = 3
     plateau_min_delta: float = 0.0
-    plateau_noise_std: float = 0.0  # the checks' noise std (clip 1: an accuracy never exceeds 1); 0: noise_std
+    # The checks' noise std (clip 1: an accuracy never exceeds 1); 0: noise_std / l2_clip (a check costs at most
+    # what a full-norm round does).
+    plateau_noise_std: float = 0.0
     plateau_rule: str = "best"
     plateau_alpha: float = 0.05  # 'guarded': every check's noise within its bound, all together w.p. 1 - alpha
     eval_every: int = 0  # evaluate on server-side test data every k rounds (0: never)

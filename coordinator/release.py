@@ -68,6 +68,19 @@ def monitor_request(
     return wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}", cfg.run_id, rnd, cfg.trust, secagg, noise_std)
 
 
+def request_noise_std(request: wire.Request) -> float:
+    """The noise std a contribution request names: what each client charges for, and the release must add.
+
+    Every release adds noise at the std of the request it answers, never the run's default: a request
+    with its own noise (the accuracy checks, coordinator/tasks.py) is charged (norm / its sigma)^2 by each
+    client, so a release with less noise would cost more than the clients paid (privacy.md §2).
+    """
+    sigma = getattr(request, "noise_std", None)
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma > 0:
+        raise TypeError(f"a contribution request with a noise std > 0 was expected, got {type(request).__name__}")
+    return float(sigma)
+
+
 class PlainRelease:
     """Local and central trust: every node answers the request; the sum of the decoded rows is released."""
 
@@ -83,7 +96,8 @@ class PlainRelease:
 
         The noise variance is the clients' own in local trust (the sum of the noise each added).
         """
-        got = self._send(ask.kind, ask.build(None))
+        request = ask.build(None)
+        got = self._send(ask.kind, request)
         errors: Counter[str] = Counter(got.errors)
         total = np.zeros(ask.size, dtype=np.float64)
         noise_var = 0.0
@@ -101,8 +115,10 @@ class PlainRelease:
             total += reply.total
             noise_var += reply.noise_added**2
         if self.cfg.trust == "central":
-            total += self.rng.normal(0.0, self.cfg.noise_std, ask.size)
-            noise_var = self.cfg.noise_std**2
+            # The noise the clients were charged for: the request's own (an accuracy check has its own).
+            sigma = request_noise_std(request)
+            total += self.rng.normal(0.0, sigma, ask.size)
+            noise_var = sigma**2
         return Released(got, errors, total, noise_var)
 
     def reports(self, rnd: int) -> Reports:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from coordinator.monitor import Reports
-from coordinator.release import Ask, Released, monitor_request
+from coordinator.release import Ask, Released, monitor_request, request_noise_std
 from coordinator.transport import RoundReplies, Transport
 from protocol import messages as wire
 from protocol import secagg as sa
@@ -317,7 +317,8 @@ class SecaggRelease:
         )
 
     def release(self, ask: Ask) -> Released:
-        masked = self._session(ask, self.cfg.noise_std)
+        # Each client adds its share of the request's own noise (an accuracy check has its own).
+        masked = self._session(ask, request_noise_std(ask.build(None)))
         return Released(masked.replies, Counter(masked.replies.errors), masked.total, masked.noise_var, masked.counts)
 
     def reports(self, rnd: int) -> Reports:

@@ -53,6 +53,12 @@ Evaluate = Callable[[np.ndarray], dict[str, float]]
 PLATEAU_CLIP = 1.0
 
 
+def plateau_noise_std(cfg: CoordinatorConfig) -> float:
+    """The accuracy checks' noise std: ``plateau_noise_std``, or noise_std / l2_clip, so that a check (clip 1)
+    costs a unit at most (C / sigma)^2, one full-norm round, whatever C is."""
+    return float(cfg.plateau_noise_std or cfg.noise_std / cfg.l2_clip)
+
+
 def plateau_round(cfg: CoordinatorConfig, rnd: int) -> bool:
     """Whether round ``rnd`` asks an accuracy check: rounds start, start + every, ... (every, 2 every, ...
     when start is 0), so with start at the worst-case horizon the first check sees that round's model."""
@@ -299,7 +305,7 @@ class GradientTask:
 
         Each unit's value is at most 1: a record's 0/1 indicator that the model classifies it correctly
         (record units), or the fraction of a client's records it classifies correctly (client units,
-        ``reduce`` 'mean'). So the check is sent with clip 1 and its own noise (``plateau_noise_std``);
+        ``reduce`` 'mean'). So the check is sent with clip 1 and its own noise (:func:`plateau_noise_std`);
         each filter charges it like any release, and a unit that has stopped answers the null element.
         The noisy sum is divided by the public n (privacy.md §4).
 
@@ -322,7 +328,7 @@ class GradientTask:
             Query("correct"),
             parameters=self.parameters,
             reduce="mean" if cfg.unit == "client" else "sum",
-            noise_std=cfg.plateau_noise_std or cfg.noise_std,
+            noise_std=plateau_noise_std(cfg),
             l2_clip=PLATEAU_CLIP,
         )
         released = ctx.release.release(Ask(ctx.rnd, "plateau", wire.INDICATOR, build, 1))
@@ -332,11 +338,24 @@ class GradientTask:
         ctx.log.metrics["train_accuracy_private"] = None if math.isnan(accuracy) else accuracy
         if math.isnan(accuracy):
             return  # an aborted secagg count says nothing: neither better nor stale
+        # A check some client did not answer (an error, a refusal, no reply) sums fewer units than it
+        # divides by: logged, never selected on (the guarded rule's first check must be every unit's).
+        complete = not released.errors and released.replies.missing == 0
         bound = 0.0
         if cfg.plateau_rule == "guarded":
             std = math.sqrt(released.noise_var) / cfg.n_public
             bound = gaussian_bound(noise_std=std, queries=plateau_checks(cfg), beta=cfg.plateau_alpha) if std else 0.0
-        self.checks.append({"round": ctx.rnd, "train_accuracy_private": accuracy, "noise_bound": bound})
+        self.checks.append(
+            {
+                "round": ctx.rnd,
+                "train_accuracy_private": accuracy,
+                "release_noise_std": math.sqrt(released.noise_var),
+                "noise_bound": bound,
+                "complete": complete,
+            }
+        )
+        if not complete:
+            return
         if accuracy - bound > self.plateau_best + self.plateau_bound + cfg.plateau_min_delta:
             self.plateau_best, self.plateau_bound, self.plateau_stale = accuracy, bound, 0
             self.selected = (ctx.rnd, self.parameters.copy())
@@ -369,7 +388,7 @@ class GradientTask:
             "rule": cfg.plateau_rule,
             "every": cfg.plateau_every,
             "start": cfg.plateau_start,
-            "noise_std": cfg.plateau_noise_std or cfg.noise_std,
+            "noise_std": plateau_noise_std(cfg),
             "alpha": cfg.plateau_alpha if cfg.plateau_rule == "guarded" else None,
             "checks": self.checks,
             "round": None,

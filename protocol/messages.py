@@ -474,17 +474,18 @@ def decode_request(message_type: str, config: Mapping[str, Any], arrays: Mapping
         else:
             _no_extra(config, arrays, kind, _INDICATOR_KEYS | extra_keys, extra_arrays)
             model = {}
+        unit = _str(config, "unit", kind, choices=UNITS)
         return IndicatorRequest(
             **_base(config, kind),
             **_noise_and_clip(config, kind),
             trust=_str(config, "trust", kind, choices=TRUST_MODES),
-            unit=_str(config, "unit", kind, choices=UNITS),
+            unit=unit,
             predicate=_name(config, "predicate", kind),
             column=_int(config, "column", kind, minimum=0),
             value=_real(config, "value", kind),
             **model,
             **masked,
-            **_reduce(config, kind),
+            **_reduce(config, kind, unit),
         )
     if message_type == MONITOR:
         noise: dict[str, Any] = {"noise_std": _positive(config, "noise_std", kind)} if secagg else {}
@@ -607,13 +608,16 @@ def _fingerprint(config: Mapping[str, Any], kind: str) -> str:
     return value
 
 
-def _reduce(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
-    """An indicator request's optional ``reduce``: 'mean', or left out for 'sum' (one encoding per request)."""
+def _reduce(config: Mapping[str, Any], kind: str, unit: str) -> dict[str, Any]:
+    """An indicator request's optional ``reduce``: 'mean' with client units, or left out for 'sum' (one
+    encoding per request; a record unit holds one record, so 'mean' would only be a second name for it)."""
     if "reduce" not in config:
         return {}
     value = _str(config, "reduce", kind)
     if value != "mean":
         raise ProtocolError(f"{kind}: 'reduce' must be 'mean' when given (leave it out for 'sum'), got {value!r:.80}")
+    if unit != "client":
+        raise ProtocolError(f"{kind}: 'reduce' 'mean' folds a client unit's records; got it with unit {unit!r}")
     return {"reduce": value}
 
 

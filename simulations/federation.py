@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,13 @@ def request_share(filter_kind: str, *, epsilon: float, delta: float, noise_std: 
     from protocol.filters import GaussianFilter
 
     threshold = GaussianFilter.create(filter_kind, epsilon=epsilon, delta=delta).threshold
-    return min(1.0, max(DEFAULT_MAX_REQUEST_SHARE, (clip / noise_std) ** 2 / threshold))
+    cost = (clip / noise_std) ** 2
+    share = cost / threshold
+    # The agent checks cost <= share * threshold: round the share up until that holds in floating point
+    # (cost / T * T can fall an ulp below cost, which refused every round of 5% of such plans).
+    while share * threshold < cost and share < 1.0:
+        share = math.nextafter(share, math.inf)
+    return min(1.0, max(DEFAULT_MAX_REQUEST_SHARE, share))
 
 
 def secagg_identities(folder: Path, count: int) -> list[dict[str, str]]:

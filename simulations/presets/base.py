@@ -80,9 +80,16 @@ def local_training(opts: Options) -> dict[str, Any]:
     return {k: getattr(opts, k) for k in keys if getattr(opts, k) is not None}
 
 
-def worst_case_rounds(epsilon: float, delta: float, noise_std: float, clip: float, monitor_epsilon: float = 0.0) -> int:
-    """Rounds worst-case GDP accounting allows at full sensitivity, with the monitor's share set aside."""
-    return GaussianFilter.gdp(epsilon=epsilon - monitor_epsilon, delta=delta).full_norm_rounds(
+def worst_case_rounds(
+    epsilon: float,
+    delta: float,
+    noise_std: float,
+    clip: float,
+    monitor_epsilon: float = 0.0,
+    filter_kind: str = "gdp",
+) -> int:
+    """Rounds worst-case accounting with the run's filter allows at full sensitivity, the monitor's share set aside."""
+    return GaussianFilter.create(filter_kind, epsilon=epsilon - monitor_epsilon, delta=delta).full_norm_rounds(
         noise_std=noise_std, l2_clip=clip
     )
 

@@ -45,4 +45,10 @@ def mnist_gd(opts: Options, out: Path) -> Plan:
         noise_seed=opts.seed,
         round_timeout=3600.0,
     )
-    return Plan(cfg, per, model_evaluator(cfg, test_x, test_y), worst_case_rounds(eps, delta, sigma, clip), {})
+    return Plan(
+        cfg,
+        per,
+        model_evaluator(cfg, test_x, test_y),
+        worst_case_rounds(eps, delta, sigma, clip, 0.0, pick(opts.filter, "gdp")),
+        {},
+    )

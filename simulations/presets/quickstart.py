@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,17 @@ def fitted_monitor(trust: str, n_units: int, rounds: int) -> tuple[dict[str, Any
     return {"monitor": "none"}, f"no active-set monitor: {rel.describe()}"
 
 
+def check_noise_std(sigma: float, clip: float) -> float:
+    """sigma / C, rounded up until a check's cost (1 / sigma_s)^2 is at most a round's (C / sigma)^2 in floating
+    point: the agents' per-request cap is sized from the round's cost (simulations.federation.request_share)."""
+    check = sigma / clip
+    while (1.0 / check) ** 2 > (clip / sigma) ** 2:
+        check = math.nextafter(check, math.inf)
+    return check
+
+
 def selection_plan(
-    epsilon: float, delta: float, sigma: float, clip: float, monitor_epsilon: float
+    epsilon: float, delta: float, sigma: float, clip: float, monitor_epsilon: float, filter_kind: str = "gdp"
 ) -> tuple[dict[str, Any], int, int]:
     """Private model selection for client units: (CoordinatorConfig keys, its worst-case stop, the stop without it).
 
@@ -47,7 +57,7 @@ def selection_plan(
     H (C / sigma)^2 and can answer it in full, which the guarded rule needs (coordinator/tasks.py).
     H < 1 (the budget holds one round at most) leaves selection off.
     """
-    without = worst_case_rounds(epsilon, delta, sigma, clip, monitor_epsilon)
+    without = worst_case_rounds(epsilon, delta, sigma, clip, monitor_epsilon, filter_kind)
     horizon = without - 1
     if horizon < 1:
         return {}, without, without
@@ -55,7 +65,7 @@ def selection_plan(
         "plateau_every": SELECT_EVERY,
         "plateau_start": horizon,
         "plateau_patience": SELECT_PATIENCE,
-        "plateau_noise_std": sigma / clip,
+        "plateau_noise_std": check_noise_std(sigma, clip),
         "plateau_rule": "guarded",
     }
     return keys, horizon, without
@@ -77,6 +87,7 @@ def quickstart(opts: Options, out: Path) -> Plan:
     sigma, clip = pick(opts.noise_std, 8.0), pick(opts.clip, 1.0)
     trust, unit = pick(opts.trust, "central"), pick(opts.unit, "record")
     rounds = pick(opts.rounds, 30)
+    filter_kind = pick(opts.filter, "gdp")
     x, y = synthetic_classification(clients * records + 2000, 20, 2, seed=opts.seed, separation=2.5)
     x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
     parts = [(x[i * records : (i + 1) * records], y[i * records : (i + 1) * records]) for i in range(clients)]
@@ -95,16 +106,16 @@ def quickstart(opts: Options, out: Path) -> Plan:
         delta=delta,
         unit=unit,
         trust=trust,
-        filter=pick(opts.filter, "gdp"),
+        filter=filter_kind,
         noise_seed=opts.seed,
         **{k: v for k, v in monitor.items() if k != "monitor_threshold"},
     )
     monitor_eps = monitor.get("monitor_epsilon", 0.0)
-    worst = worst_case_rounds(eps, delta, sigma, clip, monitor_eps)
+    worst = worst_case_rounds(eps, delta, sigma, clip, monitor_eps, filter_kind)
     notes: dict[str, Any] = {"data": "synthetic, 20 features, 2 classes", "monitor": monitor_note}
     selection: dict[str, Any] = {}
     if unit == "client":
-        selection, worst, without = selection_plan(eps, delta, sigma, clip, monitor_eps)
+        selection, worst, without = selection_plan(eps, delta, sigma, clip, monitor_eps, filter_kind)
         notes["selection"] = (
             f"a private accuracy check every {SELECT_EVERY} rounds from round {worst} (the worst-case stop with one "
             f"check set aside; {without} full-norm rounds without it), guarded rule"

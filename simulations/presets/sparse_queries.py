@@ -49,4 +49,6 @@ def sparse_queries(opts: Options, out: Path) -> Plan:
     )
     truth = np.concatenate([p[0] for p in parts]).sum(axis=0)
     np.save(out / "true_counts.npy", truth)
-    return Plan(cfg, per, None, worst_case_rounds(eps, delta, sigma, 1.0), {"k": k, "s_max": s})
+    return Plan(
+        cfg, per, None, worst_case_rounds(eps, delta, sigma, 1.0, 0.0, pick(opts.filter, "gdp")), {"k": k, "s_max": s}
+    )

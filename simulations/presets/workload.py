@@ -75,4 +75,10 @@ def workload_demo(opts: Options, out: Path) -> Plan:
         workload=ref,
     )
     evaluate = model_evaluator(cfg, *demo.test) if demo.test is not None else None
-    return Plan(cfg, per, evaluate, worst_case_rounds(eps, delta, sigma, clip), {"workload": workload.describe()})
+    return Plan(
+        cfg,
+        per,
+        evaluate,
+        worst_case_rounds(eps, delta, sigma, clip, 0.0, pick(opts.filter, "gdp")),
+        {"workload": workload.describe()},
+    )

@@ -366,10 +366,7 @@ def run_federation(
     if branch is not None:
         seed_branch_ledgers(branch.ledgers, per, through_round=branch.round)
         resume = {"noise_seed": seed + BRANCH_NOISE_SEED_OFFSET, "initial_checkpoint": str(branch.checkpoint)}
-    selection: dict[str, Any] = {}
-    if select_from is not None:
-        # Never stale-stopped: patience above the number of counts the run can ask.
-        selection = {"plateau_every": SELECT_EVERY, "plateau_start": select_from, "plateau_patience": c.steps + 1}
+    selection = {} if select_from is None else selection_keys(c, select_from)
     cfg = CoordinatorConfig(
         num_nodes=CLIENTS,
         n_public=n_train,
@@ -393,6 +390,19 @@ def run_federation(
     started = time.monotonic()
     summary = run_engine(engine, cfg, per, evaluate=evaluate)
     return Federation(summary, per, round(time.monotonic() - started, 1), n_train, evaluate)
+
+
+def selection_keys(c: Cell, select_from: int) -> dict[str, Any]:
+    """The coordinator's check settings for FZ's model selection: a check at every multiple of SELECT_EVERY
+    from ``select_from`` on (the rounds where the test set is evaluated too), at the run's own noise (FZ's
+    counts; the coordinator's default would be noise_std / l2_clip); never stale-stopped (patience above
+    the number of checks the run can ask)."""
+    return {
+        "plateau_every": SELECT_EVERY,
+        "plateau_start": -(-select_from // SELECT_EVERY) * SELECT_EVERY,
+        "plateau_patience": c.steps + 1,
+        "plateau_noise_std": c.noise_std,
+    }
 
 
 def _accuracy_by_round(summary: dict[str, Any], metric: str = "accuracy") -> dict[int, float]:
@@ -691,6 +701,8 @@ def trial_record(c: Cell, fed: Federation, *, seed: int, engine: str) -> dict[st
     last_round = int(summary["rounds"][-1]["round"]) if summary["rounds"] else 0  # a branch starts after 1
     last = summary["final_metrics"].get("accuracy")
     selected_step = select_step(private, last_round)
+    if private and selected_step not in accuracy:
+        raise SimulationError(f"round {selected_step}: selected by the private checks but not evaluated")
     selected = accuracy.get(selected_step, last)
     return {
         **c.describe(),

@@ -69,6 +69,8 @@ def test_client_units_select_their_model_with_charged_fraction_checks(tmp_path: 
     assert summary["rounds_completed"] == ROUNDS and summary["errors_total"] == {}
     selection = summary["selection"]
     assert [c["round"] for c in selection["checks"]] == [2, 3, 4, 5]
+    # Released with the noise the clients were charged for (the check's own, not the run's 1.0).
+    assert {c["release_noise_std"] for c in selection["checks"]} == {CHECK_SIGMA}
     assert selection["round"] in (2, 3, 4, 5) and selection["rule"] == "guarded"
     # The returned model is the selected round's: the checkpoint written for it, its logged metrics.
     rnd, saved = load_checkpoint(selection["checkpoint"])

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
 
+from coordinator.analysts import Query
 from coordinator.config import CoordinatorConfig
 from coordinator.monitor import Reports
-from coordinator.release import Ask, Released
+from coordinator.release import Ask, PlainRelease, Released
 from coordinator.report import RoundLog, RunWriter
-from coordinator.tasks import GradientTask, RoundContext, plateau_checks, plateau_round
+from coordinator.tasks import GradientTask, RoundContext, indicator_request, plateau_checks, plateau_round
 from coordinator.transport import RoundReplies
+from protocol import messages as wire
 
 N = 1000  # public n
 
@@ -111,6 +114,28 @@ def test_guarded_bound_is_the_union_bound_over_the_runs_checks() -> None:
     assert check["round"] == 3 and log.metrics["train_accuracy_private"] == check["train_accuracy_private"]
 
 
+class ZeroReplies:
+    """A transport whose every node answers a zero row (central trust)."""
+
+    def send(self, kind: str, payloads: dict[int, Any], *, timeout: float) -> RoundReplies:
+        out = RoundReplies()
+        for node, (config, _) in payloads.items():
+            reply = wire.ContributionReply(config["request_id"], "ok", "central", 0.0, np.zeros(1, np.float32))
+            out.replies[node] = reply.encode()
+        return out
+
+
+def test_central_noise_is_the_requests_own_not_the_runs() -> None:
+    # Review finding (issue 24): a check sent at sigma_s was charged (v / sigma_s)^2 by every client but
+    # released with the run's sigma; the release must add the noise the request names.
+    cfg = config(4, trust="central", noise_std=1.0)
+    step = PlainRelease(ZeroReplies(), cfg, [0, 1, 2], np.random.default_rng(3))
+    build = partial(indicator_request, cfg, "plateau", 1, Query("correct"), noise_std=4.0, l2_clip=1.0)
+    draws = [step.release(Ask(1, "plateau", wire.INDICATOR, build, 1)) for _ in range(4000)]
+    assert {d.noise_var for d in draws} == {16.0}
+    assert np.std([d.total[0] for d in draws if d.total is not None]) == pytest.approx(4.0, rel=0.05)
+
+
 @pytest.mark.parametrize(
     ("over", "message"),
     [
@@ -127,3 +152,155 @@ def test_bad_selection_settings_are_refused_by_name(over: dict[str, Any], messag
     with pytest.raises(CoordinatorConfigError) as err:
         config(4, **over)
     assert message in str(err.value)
+
+
+# --- review findings (issue 24) ------------------------------------------------------------------
+
+
+def test_a_records_accuracy_check_depends_on_that_record_alone() -> None:
+    # The 'correct' query runs the owner's model; batched, BatchRescale divides every record by the
+    # batch's largest feature, so one record could flip the others' answers while being charged only
+    # for its own. Through the agent's query path each record's forward runs alone.
+    from dataclasses import replace as dc_replace
+
+    import torch
+
+    from client_agent.workloads import indicator_rows
+    from tests.factories import indicator_request as make_request
+    from tests.isolation_workloads import CLASSES, FEATURES, RESCALE
+    from workloads.builtin import BUILTIN
+    from workloads.models import flatten_parameters
+
+    workload = dc_replace(RESCALE, queries={"correct": BUILTIN.query("correct")})
+    args = json.dumps({"threshold": 100.0})
+    model = workload.build_model("rescale", seed=0, threshold=100.0)
+    with torch.no_grad():  # class 0 exactly when tanh(x0 / scale) > 0.1, else class 1
+        for p in model.parameters():
+            p.zero_()
+        model.body[0].weight[0, 0] = 1.0
+        model.body[2].weight[0, 0] = 1.0
+        model.body[2].bias[0] = -0.1
+    params = flatten_parameters(model)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, 40)
+    request = make_request("q", predicate="correct", model="rescale", model_args=args, parameters=params)
+    before = indicator_rows(request, x, y, unit="record", workload=workload)
+    loud = x.copy()
+    loud[7] *= 1e4  # one record far above the threshold: batched, it would rescale every other record
+    after = indicator_rows(request, loud, y, unit="record", workload=workload)
+    others = np.arange(40) != 7
+    np.testing.assert_array_equal(before[others], after[others])
+    # The same model run on the whole batch does move other records' answers (the attack is real).
+    with torch.no_grad():
+        batched = model(torch.from_numpy(x)).argmax(1).numpy() == y
+        moved = model(torch.from_numpy(loud)).argmax(1).numpy() == y
+    assert np.any(batched[others] != moved[others])
+
+
+def test_a_records_accuracy_check_refuses_what_the_gradient_engine_refuses_and_nulls_invalid_records() -> None:
+    import torch
+
+    from client_agent.workloads import indicator_rows
+    from tests.factories import MODEL_ARGS, N_PARAMS
+    from tests.factories import indicator_request as make_request
+    from workloads.builtin import BUILTIN
+
+    params = np.zeros(N_PARAMS, np.float32)
+    params[0] = -1.0  # predicts class 1 exactly when x0 > 0
+    x = np.array([[1.0, 0, 0], [-1.0, 0, 0], [np.nan, 0, 0], [-2.0, 0, 0]], np.float32)
+    y = np.array([1, 0, 0, 0])
+    request = make_request("q", predicate="correct", model="logreg", model_args=MODEL_ARGS, parameters=params)
+    rows = indicator_rows(request, x, y, unit="record", workload=BUILTIN)
+    # A NaN record used to count as correct when its label was 0 (argmax of NaN logits is 0): now the null element.
+    np.testing.assert_array_equal(rows[:, 0], [1.0, 1.0, 0.0, 1.0])
+    client = indicator_rows(dc_replace_reduce(request), x, y, unit="client", workload=BUILTIN)
+    np.testing.assert_allclose(client, [[0.75]])  # 3 of 4 records, the invalid one counted as 0
+    with pytest.raises(ValueError, match="BatchNorm"):
+        from dataclasses import replace as dc_replace
+
+        bn = dc_replace(
+            BUILTIN, models={"bn": lambda: torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))}
+        )
+        bn_params = np.zeros(3 + 3 + 6 + 2, np.float32)
+        bn_request = make_request("b", predicate="correct", model="bn", model_args="{}", parameters=bn_params)
+        indicator_rows(bn_request, x[:2], y[:2], unit="record", workload=bn)
+
+
+def dc_replace_reduce(request: Any) -> Any:
+    from dataclasses import replace as dc_replace
+
+    return dc_replace(request, unit="client", reduce="mean")
+
+
+def test_round_and_check_costs_fit_the_agents_cap_to_the_last_ulp() -> None:
+    # request_share sized the cap as (C/sigma)^2 / T * T, an ulp under (C/sigma)^2 for 5% of plans whose
+    # rounds cost more than T/4: every round refused. The quickstart's check (clip 1, sigma / C) likewise.
+    from protocol.filters import GaussianFilter
+    from simulations.federation import request_share
+    from simulations.presets.quickstart import check_noise_std
+
+    refused = plans = 0
+    for eps in (1.0, 3.0):
+        threshold = GaussianFilter.create("gdp", epsilon=eps, delta=1e-5).threshold
+        for s10 in range(5, 120, 3):
+            for c100 in range(5, 300, 7):
+                sigma, clip = s10 / 10, c100 / 100
+                cost = (clip / sigma) ** 2
+                if not 0.25 * threshold < cost <= threshold:
+                    continue
+                plans += 1
+                cap = request_share("gdp", epsilon=eps, delta=1e-5, noise_std=sigma, clip=clip) * threshold
+                refused += not cost <= cap
+                refused += not (1.0 / check_noise_std(sigma, clip)) ** 2 <= cap
+    assert plans > 200 and refused == 0
+
+
+@pytest.mark.parametrize("kind", ["gdp", "zcdp", "renyi"])
+def test_the_first_check_is_answered_in_full_under_the_agents_filter(kind: str) -> None:
+    # The guarded rule's first check must see every unit's whole fraction: at the worst-case stop every
+    # unit has spent at most H full-norm rounds, and its partial clip for the check must still be 1.
+    from protocol.filters import FilterState, GaussianFilter, partial_clip
+    from simulations.presets.quickstart import selection_plan
+
+    for sigma, clip in ((8.0, 1.0), (6.6, 1.15), (3.0, 0.5)):
+        keys, horizon, _ = selection_plan(1.0, 1e-5, sigma, clip, 0.0, kind)
+        if not keys:
+            continue
+        filt = GaussianFilter.create(kind, epsilon=1.0, delta=1e-5)
+        state = FilterState(spent=np.array([horizon * (clip / sigma) ** 2]), stopped=np.array([False]))
+        bound = partial_clip(filt, state, noise_std=keys["plateau_noise_std"], l2_clip=1.0)
+        assert bound[0] == 1.0
+
+
+def test_fz_checks_land_on_the_rounds_the_test_set_is_evaluated() -> None:
+    from simulations.reproductions.fz_sec51 import SELECT_EVERY, cell, selection_keys
+
+    c = cell(0.3, "tuned", "renyi")
+    for gd_steps in (40, 17, 10, 100):
+        keys = selection_keys(c, gd_steps + 1)
+        cfg = config(200, **keys)
+        checks = [r for r in range(1, 201) if plateau_round(cfg, r)]
+        assert checks[0] > gd_steps and all(r % SELECT_EVERY == 0 for r in checks)
+        assert keys["plateau_noise_std"] == c.noise_std
+
+
+def test_a_check_some_client_did_not_answer_is_logged_but_never_selected() -> None:
+    cfg = config(3, plateau_rule="guarded")
+    task = GradientTask(cfg, np.zeros(8, np.float32), evaluate=None)
+
+    class Refused(ScriptedRelease):
+        def release(self, ask: Ask) -> Released:
+            out = super().release(ask)
+            if ask.rnd == 1:
+                out.errors["policy"] += 1
+            return out
+
+    step = Refused({1: 0.9, 2: 0.5, 3: 0.5}, 0.001, np.random.default_rng(4))
+    for rnd in (1, 2, 3):
+        log = RoundLog(rnd, "gradient", 0, {}, {}, 0, cfg.noise_std, 0.0, 0.0)
+        task.aggregate(
+            Released(RoundReplies(), Counter(), None, 0.0), RoundContext(rnd, log, Counter(), step, RunWriter(""))
+        )
+    assert [c["complete"] for c in task.checks] == [False, True, True]
+    assert task.selected is not None and task.selected[0] == 2

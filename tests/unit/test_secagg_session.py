@@ -453,9 +453,12 @@ def test_private_plateau_count_runs_as_its_own_session(tmp_path: Path, no_noise:
     # The plateau test's count of correctly classified records is a third release per round; under
     # secagg it is a session of its own, and with the noise patched to zero it is the exact count / n.
     group = agents(tmp_path, 3, unit="record")
-    cfg = gradient_config(3, run_id="plateau", plateau_every=1, plateau_patience=5)
+    cfg = gradient_config(3, run_id="plateau", plateau_every=1, plateau_patience=5, plateau_noise_std=5.0)
     transport = AgentTransport(group)
     summary = run(transport, cfg)
+    # The check's noise is its own: each of the 3 survivors adds its share N(0, 5^2 / m), m = 2 (review, issue 24).
+    for check in summary["selection"]["checks"]:
+        assert check["release_noise_std"] == pytest.approx((3 * 25 / 2) ** 0.5)
     purposes = {
         c["request_id"].split(":")[1] for kind, p in transport.sent if kind == wire.SECAGG_KEYS for c, _ in p.values()
     }
