@@ -53,6 +53,13 @@ Evaluate = Callable[[np.ndarray], dict[str, float]]
 PLATEAU_CLIP = 1.0
 
 
+def _one_sided_z(p: float) -> float:
+    """z with P(N(0, 1) > z) = p."""
+    from scipy.stats import norm  # on first use: scipy.stats takes most of a second to import
+
+    return float(norm.isf(p))
+
+
 def plateau_noise_std(cfg: CoordinatorConfig) -> float:
     """The accuracy checks' noise std: ``plateau_noise_std``, or noise_std / l2_clip, so that a check (clip 1)
     costs a unit at most (C / sigma)^2, one full-norm round, whatever C is."""
@@ -241,7 +248,7 @@ class GradientTask:
         self.metrics: dict[str, float] = {}
         self.checkpoint: str | None = None
         self.plateau_best, self.plateau_stale = -math.inf, 0
-        self.plateau_bound = 0.0  # the best check's noise bound ('guarded')
+        self.first_check: tuple[float, float] | None = None  # the first complete check: value, noise std / n
         self.checks: list[dict[str, Any]] = []  # every accuracy check: round, private accuracy, noise bound
         self.selected: tuple[int, np.ndarray] | None = None  # the best check's round and model
 
@@ -309,10 +316,12 @@ class GradientTask:
         each filter charges it like any release, and a unit that has stopped answers the null element.
         The noisy sum is divided by the public n (privacy.md §4).
 
-        ``plateau_rule`` 'guarded': with h_i the half-width that holds every check's noise (std s_i =
-        the release's noise std / n) within +-h_i, all K checks together w.p. >= 1 - alpha (a union
-        bound, :func:`gaussian_bound`), a check replaces the best only when a_j - h_j > a_best + h_best
-        (+ min_delta). On that event every replacement is a true gain: the check's value is at most the
+        ``plateau_rule`` 'guarded': the first complete check (a_1, noise std s_1 = its release's noise std
+        / n) is the baseline; a later check j may be selected only when a_j - a_1 > m_j + min_delta, with
+        m_j = sqrt(s_j^2 + s_1^2) z(alpha / K) for the K checks the run can ask, and among those the
+        highest a_j is. With probability >= 1 - alpha every later check's noise exceeds the first's by
+        at most m_j (the difference of two Gaussians, one-sided, a union bound over K); on that event a
+        selected check's expected value beats the first's. A check's expected value is at most the
         model's training accuracy (a stopped or partially clipped unit answers less than its fraction),
         and the first check's is all of it when every unit can still answer it in full (the run's first
         check at its worst-case horizon, with one check's cost set aside). So the selected model's
@@ -341,23 +350,29 @@ class GradientTask:
         # A check some client did not answer (an error, a refusal, no reply) sums fewer units than it
         # divides by: logged, never selected on (the guarded rule's first check must be every unit's).
         complete = not released.errors and released.replies.missing == 0
-        bound = 0.0
-        if cfg.plateau_rule == "guarded":
-            std = math.sqrt(released.noise_var) / cfg.n_public
-            bound = gaussian_bound(noise_std=std, queries=plateau_checks(cfg), beta=cfg.plateau_alpha) if std else 0.0
+        std = math.sqrt(released.noise_var) / cfg.n_public
+        margin = 0.0
+        if cfg.plateau_rule == "guarded" and complete and self.first_check is not None:
+            margin = math.hypot(std, self.first_check[1]) * _one_sided_z(cfg.plateau_alpha / plateau_checks(cfg))
         self.checks.append(
             {
                 "round": ctx.rnd,
                 "train_accuracy_private": accuracy,
                 "release_noise_std": math.sqrt(released.noise_var),
-                "noise_bound": bound,
+                "margin": margin,
                 "complete": complete,
             }
         )
         if not complete:
             return
-        if accuracy - bound > self.plateau_best + self.plateau_bound + cfg.plateau_min_delta:
-            self.plateau_best, self.plateau_bound, self.plateau_stale = accuracy, bound, 0
+        if self.first_check is None:
+            self.first_check = (accuracy, std)
+        if cfg.plateau_rule == "guarded":
+            better = accuracy - self.first_check[0] > margin + cfg.plateau_min_delta and accuracy > self.plateau_best
+        else:
+            better = accuracy > self.plateau_best + cfg.plateau_min_delta
+        if better or self.selected is None:
+            self.plateau_best, self.plateau_stale = accuracy, 0
             self.selected = (ctx.rnd, self.parameters.copy())
         else:
             self.plateau_stale += 1
