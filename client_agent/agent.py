@@ -580,7 +580,7 @@ class Agent:
                     n_units=self.n_units,
                     l2_clip=request.l2_clip,
                 )
-            rows = self.contributions(request)
+            rows = self.contributions(request, stopped=self.stopped_units(state, quota))
             fault_point("after_compute")
             reply, new_state, release, new_quota = self.release(
                 request, rows, state, masked=masked, quota=quota, federation=fed
@@ -749,11 +749,23 @@ class Agent:
         text = f"{self.config.noise_seed}|{qualified_id(self._federation, secagg_client.ledger_id(request))}"
         return np.random.default_rng(int.from_bytes(hashlib.sha256(text.encode()).digest(), "little"))
 
-    def contributions(self, request: wire.GradientRequest | wire.IndicatorRequest) -> Contributions:
+    @staticmethod
+    def stopped_units(state: AgentState, quota: AgentState | None) -> NDArray[np.bool_]:
+        """Units that may not contribute: stopped by their filter, or by this federation's quota."""
+        out = state.stopped.copy() if state.stopped is not None else ~np.asarray(state.accepting, dtype=np.bool_)
+        if quota is not None and quota.stopped is not None:
+            out |= quota.stopped
+        return out
+
+    def contributions(
+        self, request: wire.GradientRequest | wire.IndicatorRequest, *, stopped: NDArray[np.bool_] | None = None
+    ) -> Contributions:
         """Each unit's unclipped contribution: streamed per-record gradients, or materialised float32 rows.
 
         Record-unit gradients are :class:`client_agent.streaming.StreamedGradients` (one fused pass over
         the records in chunks, run by :meth:`release`: norms, weights, clipped sum); never an (n, d) matrix.
+        ``stopped`` (one flag per unit): for a query that runs the model, their records never reach it
+        (the gradient engine gets the same from :meth:`release`).
         """
         from client_agent.workloads import gradient_contributions, indicator_rows
 
@@ -775,7 +787,9 @@ class Agent:
                 activation_budget=self.config.policy.max_activation_mb << 20,
             )
         workload = self.workload_of(request)
-        return contributions_of(indicator_rows(request, self.source, unit=self.config.unit, workload=workload))
+        return contributions_of(
+            indicator_rows(request, self.source, unit=self.config.unit, workload=workload, stopped=stopped)
+        )
 
     def release(
         self,

@@ -418,8 +418,6 @@ class AgentConfig:
         options: dict[str, Any] = {}
         if self.filter == "renyi" and self.rdp_order is not None:
             options["order"] = self.rdp_order
-        if self.filter == "renyi_multi":
-            options["orders"] = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
         filt = GaussianFilter.create(self.filter, epsilon=epsilon, delta=self.delta, **options)
         if self.monitor.kind == "tree":
             filt = filt.reserve(squared_budget=self.monitor.squared_cost)

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -190,39 +190,99 @@ class OneRecordAtATime(torch.nn.Module):
     """The request's model with every record's forward computed from that record alone (record units).
 
     A query that runs the model (the accuracy check's 'correct') is one release per record: record i's
-    row must depend on record i only, or one record could move other records' answers, beyond the cost
-    each is charged (privacy.md §2). As in the gradient engine (client_agent.isolation), the forward of
-    a batch of one runs over the batch under ``torch.func.vmap``: no operator in the owner's model can
-    see another record, and a forward with data-dependent control flow cannot run at all.
+    row must depend on record i only, or one record could move other records' answers beyond the cost
+    each is charged (privacy.md §2). As in the gradient engine (client_agent.isolation):
+    - the forward of a batch of one runs over the batch under ``torch.func.vmap``: no operator in the
+      owner's model can see another record, and a forward with data-dependent control flow cannot run;
+    - each call runs on a fresh copy of the model, so nothing the forward keeps on a module carries one
+      block's records into the next;
+    - an id outside an ``nn.Embedding``/``nn.EmbeddingBag`` table is looked up as 0 and marks its record
+      (``bad``, answered as the null element), never an error (which would answer, uncharged, "does some
+      record hold an id >= k?" for a table size the coordinator chose);
+    - recurrent layers run unrolled and attention by its math kernel (what vmap can batch).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.inner = model
+        self.bad: torch.Tensor | None = None  # per record of the calls since the last reset: an id outside a table
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import copy
+
         from torch.func import functional_call, vmap
 
+        from client_agent.isolation import _math_attention
+        from client_agent.layers.recurrent import unrolled
+
+        model = copy.deepcopy(self.inner)
         state = (
-            {n: p.detach() for n, p in self.inner.named_parameters()},
-            {n: b.detach() for n, b in self.inner.named_buffers()},
+            {n: p.detach() for n, p in model.named_parameters()},
+            {n: b.detach() for n, b in model.named_buffers()},
         )
+        flags: list[torch.Tensor] = []
 
-        def one(xi: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = functional_call(self.inner, state, (xi.unsqueeze(0),))
-            return out.squeeze(0)
+        def guard(m: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            keyword = not args and isinstance(kwargs.get("input"), torch.Tensor)
+            ids = kwargs["input"] if keyword else (args[0] if args else None)
+            if not isinstance(ids, torch.Tensor):
+                return None
+            bad = (ids < 0) | (ids >= int(cast(torch.nn.Embedding, m).num_embeddings))
+            flags.append(bad.any())
+            safe = torch.where(bad, torch.zeros((), dtype=ids.dtype), ids)
+            return (args, {**kwargs, "input": safe}) if keyword else ((safe, *args[1:]), kwargs)
 
-        with torch.no_grad():
-            result: torch.Tensor = vmap(one, randomness="error")(x)
-        return result
+        def one(xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            flags.clear()
+            with _math_attention(), unrolled(model):
+                out = functional_call(model, state, (xi.unsqueeze(0),))
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"model: expected one output tensor for a query, got {type(out).__name__}")
+            bad = torch.zeros((), dtype=torch.bool)
+            for flag in flags:
+                bad = bad | flag
+            return out.squeeze(0), bad
+
+        tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag)]
+        handles = [m.register_forward_pre_hook(guard, with_kwargs=True) for m in tables]
+        try:
+            with torch.no_grad():
+                result, bad = vmap(one, randomness="error")(x)
+        finally:
+            for h in handles:
+                h.remove()
+        self.bad = bad if self.bad is None else self.bad | bad
+        out: torch.Tensor = result
+        return out
 
 
-def _usable_records(
-    registry: Workload, model: torch.nn.Module, bx: NDArray[Any], by: NDArray[Any], *, isolated: bool
+def _synthetic_pass(query: Any, args: QueryArgs, bx: NDArray[Any], by: NDArray[Any]) -> None:
+    """Run the query on synthetic records of the data's shapes and dtypes: a model or query it cannot run
+    (vmap's refusals, a tuple output) is refused here, the same for every client, never on data."""
+    from client_agent.isolation import UnbatchableModelError, synthetic_records
+
+    xs, ys = synthetic_records(batch_tensor(bx), batch_tensor(by))
+    try:
+        query.rows(xs.numpy(), ys.numpy(), args)
+    except Exception as exc:
+        raise UnbatchableModelError(
+            f"query: the request's model cannot answer it one record at a time ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from exc
+
+
+def _kept_records(
+    registry: Workload,
+    model: torch.nn.Module,
+    bx: NDArray[Any],
+    by: NDArray[Any],
+    keep: NDArray[np.bool_],
+    *,
+    isolated: bool,
 ) -> tuple[NDArray[Any], NDArray[np.bool_]]:
-    """The batch with the records the workload's rule rejects (or with non-finite features) zeroed, and which
-    are usable: each record's verdict from that record alone in record units (``isolated``), as the gradient
-    engine decides it (client_agent.isolation.per_record_validity)."""
+    """The batch with every record that may not reach the model zeroed, and which may: a stopped unit's
+    records (``keep`` False: the null element enters before the forward, as in the gradient engine), records
+    with non-finite features, and records the workload's validity rule rejects (each judged alone under
+    vmap in record units, ``isolated``, as client_agent.isolation.per_record_validity does)."""
     from client_agent.isolation import per_record_validity
 
     xt, yt = batch_tensor(bx), batch_tensor(by)
@@ -230,16 +290,19 @@ def _usable_records(
         yt = yt.to(torch.int64)
     flat = xt.reshape(len(xt), -1)
     finite = torch.isfinite(flat).all(dim=1) if xt.is_floating_point() else torch.ones(len(xt), dtype=torch.bool)
+    finite = finite & torch.from_numpy(np.ascontiguousarray(keep, dtype=np.bool_))
     safe = torch.where(finite.reshape(-1, *([1] * (xt.ndim - 1))), xt, torch.zeros((), dtype=xt.dtype))
+    safe_y = torch.where(finite.reshape(-1, *([1] * (yt.ndim - 1))), yt, torch.zeros((), dtype=yt.dtype))
     inner = model.inner if isinstance(model, OneRecordAtATime) else model
 
     def valid(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         return registry.valid(xs, ys, inner)
 
     with torch.no_grad():
-        ok = finite & (per_record_validity(valid, safe, yt, vmapped=True) if isolated else valid(safe, yt).bool())
-    zeroed = np.where(ok.numpy().reshape(-1, *([1] * (bx.ndim - 1))), bx, np.zeros((), dtype=bx.dtype))
-    return zeroed, ok.numpy()
+        checked = per_record_validity(valid, safe, safe_y, vmapped=True) if isolated else valid(safe, safe_y).bool()
+    mask: NDArray[np.bool_] = (finite & checked).numpy()
+    zeroed = np.where(mask.reshape(-1, *([1] * (bx.ndim - 1))), bx, np.zeros((), dtype=bx.dtype))
+    return zeroed, mask
 
 
 def indicator_rows(
@@ -249,15 +312,19 @@ def indicator_rows(
     *,
     unit: str,
     workload: Workload | None = None,
+    stopped: NDArray[np.bool_] | None = None,
 ) -> NDArray[np.float32]:
     """Per-unit rows of the request's query, looked up in ``workload``'s registry (default: the built-in one).
 
     ``x`` and ``y`` are the records as arrays, or ``x`` is a data source (``y`` None), read in batches.
     ``record`` units: one row of the query's ``dim`` per record, each within the query's declared L2
     bound (workloads.registry.bounded_rows); ``client`` units: the sum of the client's rows, one row
-    (with ``reduce`` 'mean', their mean over all its records: within the same bound). A query that runs the
-    request's model sees each record alone in record units (:class:`OneRecordAtATime`), and a record the
-    workload's validity rule rejects answers 0 (the null element).
+    (with ``reduce`` 'mean', their mean over all its records: within the same bound).
+    A query that runs the request's model (privacy.md §4, the accuracy checks) runs it as the gradient
+    engine does: each record alone (:class:`OneRecordAtATime`, in client units too), after a pass on synthetic
+    records (so a model the query cannot run is refused whatever the data); the records of a unit in
+    ``stopped`` (one flag per unit), with non-finite features, rejected by the workload's validity rule, or
+    holding an id outside an embedding table are the null element: zeroed before the forward, answered 0.
     A name the workload does not register, or a ``column`` beyond the features, is malformed.
     """
     registry = workload if workload is not None else BUILTIN
@@ -277,12 +344,17 @@ def indicator_rows(
             workload=registry,
             layout=request.layout,
         )
-    if model is not None and unit == "record":
-        check_model(model)  # what the per-record engine refuses (BatchNorm, training-mode dropout), refused here too
+    isolated = unit == "record"
+    if model is not None:
+        if isolated:
+            check_model(model)  # what the per-record engine refuses (BatchNorm, training-mode dropout)
+        # Client units too: the embedding guard keeps an id outside a table from refusing the request
+        # (uncharged) on one record's value, and a fresh model per call keeps no state between calls.
         model = OneRecordAtATime(model)
     args = QueryArgs(column=request.column, value=request.value, model=model)
     batches = ((x, y),) if y is not None else x.batches(_QUERY_BATCH)  # type: ignore[union-attr]
     parts: list[NDArray[np.float32]] = []
+    done = 0
     for bx, by in batches:
         bx = bx.numpy() if isinstance(bx, torch.Tensor) else np.asarray(bx)
         by = by.numpy() if isinstance(by, torch.Tensor) else np.asarray(by)
@@ -291,13 +363,23 @@ def indicator_rows(
             raise wire.ProtocolError(
                 f"{wire.INDICATOR}: 'column' must be < {features} (the client's feature count), got {request.column}"
             )
-        usable = None
-        if model is not None:  # a model's query: records the workload's rule rejects are the null element
-            bx, usable = _usable_records(registry, model, bx, by, isolated=unit == "record")
+        kept = None
+        if model is not None:
+            if not done:  # before any data reaches the model: the same query on synthetic records
+                _synthetic_pass(query, args, bx, by)
+            keep = np.ones(len(bx), dtype=np.bool_)
+            if stopped is not None:
+                keep = ~(stopped[done : done + len(bx)] if isolated else np.repeat(stopped[:1], len(bx)))
+            bx, kept = _kept_records(registry, model, bx, by, keep, isolated=isolated)
+            if isinstance(model, OneRecordAtATime):
+                model.bad = None
         rows = bounded_rows(query, query.rows(bx, by, args), len(bx))
-        if usable is not None:
-            rows = np.where(usable.reshape(-1, 1), rows, np.float32(0.0)).astype(np.float32)
+        if kept is not None:
+            if isinstance(model, OneRecordAtATime) and model.bad is not None:
+                kept = kept & ~model.bad.numpy()
+            rows = np.where(kept.reshape(-1, 1), rows, np.float32(0.0)).astype(np.float32)
         parts.append(rows)
+        done += len(bx)
     values = np.concatenate(parts) if len(parts) > 1 else parts[0]
     if unit == "record":
         return values

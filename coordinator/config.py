@@ -191,7 +191,7 @@ class CoordinatorConfig:
         sigma = self.plateau_noise_std
         if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
             raise CoordinatorConfigError(
-                f"plateau_noise_std: expected a finite number >= 0 (0: noise_std), got {sigma!r}"
+                f"plateau_noise_std: expected a finite number >= 0 (0: noise_std / l2_clip), got {sigma!r}"
             )
         alpha = self.plateau_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:

@@ -51,6 +51,8 @@ class Released:
     total: np.ndarray | None
     noise_var: float  # variance of the noise in ``total``
     secagg: dict[str, Any] = field(default_factory=dict)  # secagg: clients left after each step, or why it aborted
+    # Whether every enrolled node's contribution is in ``total`` (none missing, refused or dropped).
+    complete: bool = False
 
 
 class ReleaseStep(Protocol):
@@ -101,6 +103,7 @@ class PlainRelease:
         errors: Counter[str] = Counter(got.errors)
         total = np.zeros(ask.size, dtype=np.float64)
         noise_var = 0.0
+        summed = 0
         for config, arrays in got.replies.values():
             try:
                 reply = wire.ContributionReply.decode(config, arrays)
@@ -108,18 +111,21 @@ class PlainRelease:
                 errors["malformed-reply"] += 1
                 continue
             if reply.status == wire.REPLY_EXHAUSTED:  # central trust only: contributes nothing
+                summed += 1
                 continue
             if reply.total.size != ask.size:
                 errors["wrong-shape"] += 1
                 continue
             total += reply.total
             noise_var += reply.noise_added**2
+            summed += 1
         if self.cfg.trust == "central":
             # The noise the clients were charged for: the request's own (an accuracy check has its own).
             sigma = request_noise_std(request)
             total += self.rng.normal(0.0, sigma, ask.size)
             noise_var = sigma**2
-        return Released(got, errors, total, noise_var)
+        complete = summed == len(self.nodes) and not errors and got.missing == 0
+        return Released(got, errors, total, noise_var, complete=complete)
 
     def reports(self, rnd: int) -> Reports:
         """Each node's monitor reply as it decodes; the monitor checks their shapes."""

@@ -319,7 +319,11 @@ class SecaggRelease:
     def release(self, ask: Ask) -> Released:
         # Each client adds its share of the request's own noise (an accuracy check has its own).
         masked = self._session(ask, request_noise_std(ask.build(None)))
-        return Released(masked.replies, Counter(masked.replies.errors), masked.total, masked.noise_var, masked.counts)
+        # Complete: the sum holds every enrolled node's masked input (a node lost at any step is not in it).
+        complete = masked.total is not None and masked.counts.get("masked") == len(self.nodes)
+        return Released(
+            masked.replies, Counter(masked.replies.errors), masked.total, masked.noise_var, masked.counts, complete
+        )
 
     def reports(self, rnd: int) -> Reports:
         """The tree monitor's reports summed in one session, at the node noise std every client reserved."""

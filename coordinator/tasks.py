@@ -325,8 +325,9 @@ class GradientTask:
         model's training accuracy (a stopped or partially clipped unit answers less than its fraction),
         and the first check's is all of it when every unit can still answer it in full (the run's first
         check at its worst-case horizon, with one check's cost set aside). So the selected model's
-        training accuracy is at least the first check's model's, w.p. >= 1 - alpha. 'best' is FZ's rule,
-        the highest noisy value.
+        training accuracy is at least the first check's model's, w.p. >= 1 - alpha. A check that does not
+        sum every enrolled unit (``Released.complete``) is never selected on; when the first one is such,
+        its model is returned whatever later checks say. 'best' is FZ's rule, the highest noisy value.
         """
         cfg = self.cfg
         build = partial(
@@ -345,29 +346,36 @@ class GradientTask:
         accuracy = math.nan if released.total is None else float(released.total[0]) / cfg.n_public
         # JSON has no NaN: an aborted secagg count is logged as null.
         ctx.log.metrics["train_accuracy_private"] = None if math.isnan(accuracy) else accuracy
-        if math.isnan(accuracy):
-            return  # an aborted secagg count says nothing: neither better nor stale
-        # A check some client did not answer (an error, a refusal, no reply) sums fewer units than it
-        # divides by: logged, never selected on (the guarded rule's first check must be every unit's).
-        complete = not released.errors and released.replies.missing == 0
+        # A check some client did not answer (an error, a refusal, no reply, a secagg step it missed, an
+        # aborted session) sums fewer units than it divides by: logged, never selected on.
+        complete = released.complete and not math.isnan(accuracy)
         std = math.sqrt(released.noise_var) / cfg.n_public
+        guarded = cfg.plateau_rule == "guarded"
+        first = not self.checks
         margin = 0.0
-        if cfg.plateau_rule == "guarded" and complete and self.first_check is not None:
+        if guarded and complete and self.first_check is not None:
             margin = math.hypot(std, self.first_check[1]) * _one_sided_z(cfg.plateau_alpha / plateau_checks(cfg))
         self.checks.append(
             {
                 "round": ctx.rnd,
-                "train_accuracy_private": accuracy,
+                "train_accuracy_private": None if math.isnan(accuracy) else accuracy,
                 "release_noise_std": math.sqrt(released.noise_var),
                 "margin": margin,
                 "complete": complete,
             }
         )
-        if not complete:
+        if guarded and first:
+            # The first scheduled check's model (the worst-case stop's) is the one to beat; if the check is
+            # incomplete there is no sound baseline, and that model is returned whatever later checks say.
+            self.selected = (ctx.rnd, self.parameters.copy())
+            if complete:
+                self.first_check, self.plateau_best = (accuracy, std), accuracy
             return
-        if self.first_check is None:
-            self.first_check = (accuracy, std)
-        if cfg.plateau_rule == "guarded":
+        if not complete or (guarded and self.first_check is None):
+            self.plateau_stale += 1 if guarded and self.first_check is None else 0
+            return
+        if guarded:
+            assert self.first_check is not None
             better = accuracy - self.first_check[0] > margin + cfg.plateau_min_delta and accuracy > self.plateau_best
         else:
             better = accuracy > self.plateau_best + cfg.plateau_min_delta
@@ -412,7 +420,8 @@ class GradientTask:
         if self.selected is None:  # no check was answered
             return out
         rnd, parameters = self.selected
-        out["round"], out["train_accuracy_private"] = rnd, self.plateau_best
+        out["round"] = rnd
+        out["train_accuracy_private"] = next(c["train_accuracy_private"] for c in self.checks if c["round"] == rnd)
         logged = next((log.metrics for log in logs if log.round == rnd), {})
         metrics: dict[str, Any] = {k: v for k, v in logged.items() if k != "train_accuracy_private"}
         if not metrics and self.evaluate is not None:

@@ -115,7 +115,7 @@ class GaussianFilter:
         *,
         epsilon: float,
         delta: float,
-        orders: Sequence[float],
+        orders: Sequence[float] = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
         conversion: RdpConversion = "improved",
     ) -> GaussianFilter:
         """Rényi filter over several orders: continue while any order fits, each at delta/|orders|.
@@ -156,7 +156,7 @@ class GaussianFilter:
         table = {"gdp": cls.gdp, "zcdp": cls.zcdp, "renyi": cls.renyi, "renyi_multi": cls.renyi_multi}
         if kind not in table:
             raise PrivacyParameterError(f"filter: expected one of {tuple(table)}, got {kind!r}")
-        built: GaussianFilter = table[kind](epsilon=epsilon, delta=delta, **options)  # type: ignore[operator]
+        built: GaussianFilter = table[kind](epsilon=epsilon, delta=delta, **options)
         return built
 
     # -- derived ------------------------------------------------------------------

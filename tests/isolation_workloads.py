@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from workloads.registry import DataSource, Workload
+from workloads.registry import DataSource, Query, Workload
 
 FEATURES = 6
 CLASSES = 3
@@ -283,4 +283,28 @@ CONTROLS = Workload(
     loss=_ce,
     data=_data,
     valid=_valid,
+)
+
+
+def _token_correct(x: Any, y: Any, args: Any) -> Any:
+    """'correct' for token records: the model's argmax against the label (the ids as int64)."""
+    import numpy as np
+
+    with torch.no_grad():
+        out = args.model(torch.from_numpy(np.ascontiguousarray(x)).long())
+    return (out.argmax(1).numpy() == np.asarray(y).reshape(-1)).astype("float32")
+
+
+def _token_threshold(x: Any, y: Any, args: Any) -> Any:
+    return (x.reshape(len(x), -1)[:, args.column] > args.value).astype("float32")
+
+
+# The controls with an accuracy check that runs their token models, and a threshold query (issue 24 review).
+TOKEN_QUERIES = Workload(
+    name="token_queries",
+    models=CONTROLS.models,
+    loss=CONTROLS.loss,
+    data=CONTROLS.data,
+    valid=CONTROLS.valid,
+    queries={"correct": Query(_token_correct, needs_model=True), "threshold": Query(_token_threshold)},
 )

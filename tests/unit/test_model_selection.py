@@ -36,7 +36,7 @@ class ScriptedRelease:
     def release(self, ask: Ask) -> Released:
         self.asked.append(ask)
         value = N * (self.truth[ask.rnd] + self.std * self.rng.standard_normal())
-        return Released(RoundReplies(), Counter(), np.array([value]), noise_var=(N * self.std) ** 2)
+        return Released(RoundReplies(), Counter(), np.array([value]), noise_var=(N * self.std) ** 2, complete=True)
 
     def reports(self, rnd: int) -> Reports:  # pragma: no cover - no monitor here
         raise AssertionError("no monitor in these runs")
@@ -294,22 +294,131 @@ def test_fz_checks_land_on_the_rounds_the_test_set_is_evaluated() -> None:
         assert keys["plateau_noise_std"] == c.noise_std
 
 
-def test_a_check_some_client_did_not_answer_is_logged_but_never_selected() -> None:
-    cfg = config(3, plateau_rule="guarded")
+def run_checks(cfg: CoordinatorConfig, truth: dict[int, float], incomplete: set[int]) -> GradientTask:
     task = GradientTask(cfg, np.zeros(8, np.float32), evaluate=None)
 
     class Refused(ScriptedRelease):
         def release(self, ask: Ask) -> Released:
             out = super().release(ask)
-            if ask.rnd == 1:
+            if ask.rnd in incomplete:
                 out.errors["policy"] += 1
+                out.complete = False
             return out
 
-    step = Refused({1: 0.9, 2: 0.5, 3: 0.5}, 0.001, np.random.default_rng(4))
-    for rnd in (1, 2, 3):
+    step = Refused(truth, 0.001, np.random.default_rng(4))
+    for rnd in sorted(truth):
         log = RoundLog(rnd, "gradient", 0, {}, {}, 0, cfg.noise_std, 0.0, 0.0)
-        task.aggregate(
-            Released(RoundReplies(), Counter(), None, 0.0), RoundContext(rnd, log, Counter(), step, RunWriter(""))
-        )
-    assert [c["complete"] for c in task.checks] == [False, True, True]
-    assert task.selected is not None and task.selected[0] == 2
+        ctx = RoundContext(rnd, log, Counter(), step, RunWriter(""))
+        task.aggregate(Released(RoundReplies(), Counter(), None, 0.0), ctx)
+    return task
+
+
+def test_a_check_some_client_did_not_answer_is_logged_but_never_selected() -> None:
+    # A later incomplete check (it sums fewer units than n) is never selected on, however high it reads.
+    cfg = config(3, plateau_rule="guarded")
+    task = run_checks(cfg, {1: 0.5, 2: 0.9, 3: 0.7}, incomplete={2})
+    assert [c["complete"] for c in task.checks] == [True, False, True]
+    assert task.selected is not None and task.selected[0] == 3
+    # An incomplete first check leaves no sound baseline: its model (the worst-case stop's) is returned.
+    task = run_checks(cfg, {1: 0.9, 2: 0.5, 3: 0.99}, incomplete={1})
+    assert task.selected is not None and task.selected[0] == 1 and task.plateau_stale == 2
+
+
+# --- second review (issue 24): the query path has the gradient engine's protections -------------
+
+
+def test_a_stopped_records_value_never_reaches_the_model_nor_refuses_the_check(tmp_path: Any) -> None:
+    # Every record exhausted, then 'correct' asked with a category table of 5, 8, 7 entries: record 3 holds
+    # category 7. Before the fix its data still reached the model, and an id outside the table refused the
+    # request uncharged ("is the stopped record's category >= k?", asked for free, again and again).
+    from tests.factories import build_agent
+    from tests.factories import indicator_request as make_request
+    from tests.isolation_workloads import CLASSES, TOKEN_QUERIES, TOKENS
+    from workloads.models import flatten_parameters
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 4, size=(12, TOKENS)).astype(np.int64)
+    y = rng.integers(0, CLASSES, 12)
+    x[3, 0] = 7
+    agent = build_agent(tmp_path, (x, y), workload="tests.isolation_workloads:TOKEN_QUERIES")
+    try:
+        for i in range(4):  # sigma 0.3 on a 0/1 value costs 11 >> the threshold: every record stops
+            burn = make_request(f"burn{i}", predicate="threshold", column=1, value=-1.0, noise_std=0.3, round=1 + i)
+            assert not agent.handle(wire.INDICATOR, *wire.encode_request(burn)).is_error
+        assert bool(np.all(agent.ledger.state()["stopped"]))
+        for k, categories in enumerate((5, 8, 7)):
+            model = TOKEN_QUERIES.build_model("two_tables", seed=0, categories=categories)
+            ask = make_request(
+                f"q{k}",
+                predicate="correct",
+                model="two_tables",
+                round=10 + k,
+                model_args=json.dumps({"categories": categories}),
+                parameters=flatten_parameters(model),
+            )
+            outcome = agent.handle(wire.INDICATOR, *wire.encode_request(ask))
+            assert not outcome.is_error, (categories, outcome.error_code)
+    finally:
+        agent.close()
+
+
+def test_an_id_outside_a_table_nulls_its_record_in_a_check_in_both_unit_kinds() -> None:
+    from dataclasses import replace as dc_replace
+
+    from client_agent.workloads import indicator_rows
+    from tests.factories import indicator_request as make_request
+    from tests.isolation_workloads import CLASSES, TOKEN_QUERIES, TOKENS
+    from workloads.models import flatten_parameters
+
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 4, size=(10, TOKENS)).astype(np.int64)
+    y = rng.integers(0, CLASSES, 10)
+    x[3, 0] = 7  # beyond a table of 5 categories
+    args = json.dumps({"categories": 5})
+    params = flatten_parameters(TOKEN_QUERIES.build_model("two_tables", seed=0, categories=5))
+    request = make_request("q", predicate="correct", model="two_tables", model_args=args, parameters=params)
+    rows = indicator_rows(request, x, y, unit="record", workload=TOKEN_QUERIES)
+    assert rows[3, 0] == 0.0  # the null element, not an error
+    mean = dc_replace(request, unit="client", reduce="mean")
+    client = indicator_rows(mean, x, y, unit="client", workload=TOKEN_QUERIES)
+    assert client[0, 0] == pytest.approx(float(np.delete(rows[:, 0], 3).sum()) / 10)
+
+
+def test_nothing_a_forward_keeps_on_its_module_carries_one_block_into_the_next() -> None:
+    # A forward that keeps a running maximum (a tensor) on its module: under one vmap per 4,096-record block
+    # it re-bound as block 1's value in block 2 and moved block-2 answers. Each call now runs on a fresh copy.
+    from dataclasses import replace as dc_replace
+
+    import torch
+    from torch import nn
+
+    from client_agent.streaming import ArraySource
+    from client_agent.workloads import indicator_rows
+    from tests.factories import indicator_request as make_request
+    from tests.isolation_workloads import CLASSES, CONTROLS, FEATURES
+    from workloads.builtin import BUILTIN
+    from workloads.models import flatten_parameters
+
+    class TensorRunningMax(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(FEATURES, 5), nn.Tanh(), nn.Linear(5, CLASSES))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            peak = self.__dict__.get("peak")
+            peak = x.abs().amax() if peak is None else torch.maximum(peak, x.abs().amax())
+            self.__dict__["peak"] = peak
+            return self.body(x / peak)
+
+    workload = dc_replace(CONTROLS, models={"trm": TensorRunningMax}, queries={"correct": BUILTIN.query("correct")})
+    params = flatten_parameters(workload.build_model("trm", seed=0))
+    rng = np.random.default_rng(0)
+    n = 2 * 4096
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, n)
+    request = make_request("q", predicate="correct", model="trm", model_args="{}", parameters=params)
+    before = indicator_rows(request, ArraySource(x, y), unit="record", workload=workload)[:, 0]
+    loud = x.copy()
+    loud[17] *= 1000.0  # one record of block 1
+    after = indicator_rows(request, ArraySource(loud, y), unit="record", workload=workload)[:, 0]
+    np.testing.assert_array_equal(np.delete(before, 17), np.delete(after, 17))

@@ -41,9 +41,9 @@ def test_a_commit_race_sends_fixed_text_not_the_state_hash(tmp_path: Path) -> No
     second = Agent(first.config)
     real = first.contributions
 
-    def racing(request: Any) -> Any:
+    def racing(request: Any, **kwargs: Any) -> Any:
         assert not second.handle(wire.GRADIENT, *gradient("other")).is_error  # commits in between
-        return real(request)
+        return real(request, **kwargs)
 
     first.contributions = racing  # type: ignore[method-assign]
     outcome = first.handle(wire.GRADIENT, *gradient("r1"))

@@ -556,3 +556,14 @@ def test_two_sessions_never_reuse_a_noise_share_even_under_one_request_id(
     masked = [p for kind, p in transport.sent if kind == wire.INDICATOR]
     assert [c["request_id"] for c, _ in masked[0].values()] == [c["request_id"] for c, _ in masked[1].values()]
     assert len(draws) == 6 and len({d.tobytes() for d in draws}) == 6  # 3 clients x 2 sessions, all distinct
+
+
+def test_a_check_missing_a_client_at_any_secagg_step_is_incomplete(tmp_path: Path) -> None:
+    # A client that never answers the keys step is not in the sum, though step 3 reports nothing missing:
+    # the check sums fewer units than n and must not count as a measurement (review, issue 24).
+    cfg = gradient_config(4, run_id="drop", plateau_every=1, plateau_patience=5, plateau_noise_std=5.0)
+    dropped = run(AgentTransport(agents(tmp_path / "drop", 4, unit="record"), {wire.SECAGG_KEYS: {1003}}), cfg)
+    assert [c["complete"] for c in dropped["selection"]["checks"]] == [False, False]
+    assert dropped["selection"]["round"] is None
+    whole = run(AgentTransport(agents(tmp_path / "all", 4, unit="record")), cfg)
+    assert [c["complete"] for c in whole["selection"]["checks"]] == [True, True]
