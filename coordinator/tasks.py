@@ -53,6 +53,7 @@ Evaluate = Callable[[np.ndarray], dict[str, float]]
 PLATEAU_CLIP = 1.0
 
 
+@functools.lru_cache(maxsize=64)
 def _one_sided_z(p: float) -> float:
     """z with P(N(0, 1) > z) = p."""
     from scipy.stats import norm  # on first use: scipy.stats takes most of a second to import

@@ -80,7 +80,7 @@ def test_guarded_rule_picks_a_worse_round_at_most_alpha_of_the_time() -> None:
     rounds, std, alpha = 8, 0.01, 0.1
     truth = {1: 0.80} | {r: 0.80 - 0.002 * (r - 1) for r in range(2, rounds + 1)}
     rng = np.random.default_rng(0)
-    trials = 1000
+    trials = 600
     guarded = config(rounds, plateau_rule="guarded", plateau_alpha=alpha)
     wrong = sum(selected_round(guarded, truth, std, rng) != 1 for _ in range(trials)) / trials
     best = config(rounds, plateau_rule="best")
