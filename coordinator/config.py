@@ -189,7 +189,10 @@ class CoordinatorConfig:
                 f"plateau_min_delta: expected a number in [0, 1), got {self.plateau_min_delta!r}"
             )
         sigma = self.plateau_noise_std
-        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
+        bad_sigma = isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not math.isfinite(sigma)
+        # A subnormal or tiny sigma passes "finite and > 0", yet the check's cost (1 / sigma)^2 overflows: the
+        # clients would refuse every check (protocol.messages._noise_and_clip); refused here, before the run.
+        if bad_sigma or sigma < 0 or (sigma and not (sigma >= 1e-150)):
             raise CoordinatorConfigError(
                 f"plateau_noise_std: expected a finite number >= 0 (0: noise_std / l2_clip), got {sigma!r}"
             )

@@ -152,6 +152,7 @@ def test_central_noise_is_the_requests_own_not_the_runs() -> None:
         ({"plateau_alpha": 1.0}, "plateau_alpha: expected a number in (0, 1), got 1.0"),
         ({"plateau_noise_std": float("nan")}, "plateau_noise_std: expected a finite number >= 0"),
         ({"plateau_noise_std": -1.0}, "plateau_noise_std: expected a finite number >= 0"),
+        ({"plateau_noise_std": 1e-310}, "plateau_noise_std: expected a finite number >= 0"),
         ({"task": "indicator"}, "plateau_every: the plateau test asks the training accuracy"),
     ],
 )
