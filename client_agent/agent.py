@@ -41,6 +41,7 @@ from client_agent.state import AgentState
 from client_agent.streaming import Contributions, RowContributions, StreamedGradients, contributions_of
 from protocol import messages as wire
 from protocol import secagg as sa
+from protocol.branchless import or_zero, select
 from protocol.errors import FedfilterError
 from protocol.filters import Charge, FilterState, GaussianFilter, charge, clip_scales, partial_clip, remaining
 from protocol.realisation import RealisationFilter, RealisationState, advance, decide, realised_loss
@@ -173,7 +174,7 @@ def load_client_data(
 
 def _with_slack(clipped_norms: NDArray[np.float64], slack: float) -> NDArray[np.float64]:
     """secagg: a unit that sends anything is charged its fixed-point rounding slack on top (0 in other trusts)."""
-    return np.where(clipped_norms > 0, clipped_norms + slack, 0.0) if slack else clipped_norms
+    return or_zero(clipped_norms > 0, clipped_norms + slack) if slack else clipped_norms
 
 
 def _digest64(text: str) -> int:
@@ -239,9 +240,9 @@ def charge_with_quota(
     every unit, whoever is refused (privacy.md §8).
     """
     by_quota = charge(quota, quota_state, noise_std=noise_std, l2_norms=l2_norms)
-    offered = np.where(by_quota.admitted, l2_norms, 0.0)
+    offered = or_zero(by_quota.admitted, l2_norms)
     result = charge(filt, state, noise_std=noise_std, l2_norms=offered)
-    spent = np.where(result.admitted, by_quota.state.spent, quota_state.spent)
+    spent = select(result.admitted, by_quota.state.spent, quota_state.spent)
     stopped = by_quota.state.stopped | result.state.stopped
     return result, FilterState(spent=spent, stopped=stopped)
 
@@ -727,7 +728,7 @@ class Agent:
             state = AgentState.from_arrays(self.ledger.state())
             assert state.stopped is not None
             return AgentState(
-                halt_round=np.where(state.stopped, state.halt_round, -1).astype(np.int64),
+                halt_round=select(np.asarray(state.stopped), np.asarray(state.halt_round, np.int64), np.int64(-1)),
                 spent=spent,
                 stopped=np.array(state.stopped),
             )
@@ -871,7 +872,7 @@ class Agent:
             else:
                 norms = units.norms()
                 finite = np.isfinite(norms)
-                scales = clip_scales(np.where(finite, norms, 0.0), bounds / margin, dtype_eps=FLOAT32_EPS) * finite
+                scales = clip_scales(or_zero(finite, norms), bounds / margin, dtype_eps=FLOAT32_EPS) * finite
                 clipped_norms = _with_slack(units.scale(scales), slack)
                 result, new_q = charge_with_quota(
                     self.gaussian, fstate, qfilter, qstate, noise_std=sigma, l2_norms=clipped_norms
@@ -884,8 +885,8 @@ class Agent:
             newly = stopped & ~fstate.stopped
             new_state = replace(state, spent=np.array(result.state.spent), stopped=stopped)
             q_stopped = np.array(new_q.stopped | starved | stopped)
-            q_halt = np.array(quota.halt_round)
-            q_halt[q_stopped & ~qstate.stopped & (q_halt < 0)] = request.round
+            q_halt = np.asarray(quota.halt_round)
+            q_halt = select(q_stopped & ~qstate.stopped & (q_halt < 0), np.int64(request.round), q_halt)
             new_quota: AgentState | None = replace(
                 quota, spent=np.array(new_q.spent), stopped=q_stopped, halt_round=q_halt
             )
@@ -901,7 +902,7 @@ class Agent:
             active_after = ~q_stopped
             noise = self.rng(request).normal(0.0, sigma, units.dim) if self.config.trust == "local" else None
             if noise is not None and isinstance(units, StreamedGradients):
-                noise = np.where(units.trainable, noise, 0.0)  # frozen entries are not released: exact zeros
+                noise = or_zero(units.trainable, noise)  # frozen entries are not released: exact zeros
         else:
             assert self.realisation is not None
             if not isinstance(units, RowContributions):  # realised losses need the rows: client units only
@@ -909,16 +910,14 @@ class Agent:
             rstate = state.realisation_state()
             norms = units.norms()
             finite = np.isfinite(norms)
-            norms = np.where(finite, norms, 0.0)
+            norms = or_zero(finite, norms)
             scales = clip_scales(norms, np.full(norms.size, clip) / margin, dtype_eps=FLOAT32_EPS) * finite
             clipped_norms = units.scale(scales)
             step = decide(self.realisation, rstate, mu=clipped_norms / sigma)
             total = units.weighted_sum(step.participating)
             draw = np.asarray(self.rng(request).normal(0.0, sigma, units.dim), dtype=np.float64)
             noise = draw
-            losses = np.where(
-                step.participating, realised_loss(contribution=units.rows, noise=draw, noise_std=sigma), 0.0
-            )
+            losses = or_zero(step.participating, realised_loss(contribution=units.rows, noise=draw, noise_std=sigma))
             after = advance(rstate, step, losses=losses)
             newly = ~after.accepting & rstate.accepting
             new_state = replace(
@@ -927,7 +926,7 @@ class Agent:
             release = RealisationRecord(
                 kind,
                 sigma,
-                np.where(step.participating, clipped_norms, 0.0),
+                or_zero(step.participating, clipped_norms),
                 losses,
                 step.participating,
                 step.accept_next,
@@ -935,8 +934,8 @@ class Agent:
             )
             active_after = after.accepting
             new_quota = None
-        halt = np.array(state.halt_round)
-        halt[newly & (halt < 0)] = request.round
+        halt = np.asarray(state.halt_round)
+        halt = select(newly & (halt < 0), np.int64(request.round), halt)
         new_state = replace(new_state, halt_round=halt)
         if masked is not None:
             return secagg_client.masked_reply(masked, total, self.rng(request)), new_state, release, new_quota
@@ -985,7 +984,7 @@ class Agent:
         def scales_of(norms: NDArray[np.float64], lo: int) -> NDArray[np.float64]:
             finite = np.isfinite(norms)
             bound = clip_to[lo : lo + norms.size]
-            return clip_scales(np.where(finite, norms, 0.0), bound, dtype_eps=FLOAT32_EPS) * finite
+            return clip_scales(or_zero(finite, norms), bound, dtype_eps=FLOAT32_EPS) * finite
 
         def weights(lo: int, norms: NDArray[np.float64]) -> NDArray[np.float64]:
             hi = lo + norms.size

@@ -41,6 +41,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from client_agent.layers import DenseRows, LayerKind, Rows, kind_of
+from client_agent.layers.base import or_zero
 from client_agent.layers.recurrent import unrolled
 from protocol.errors import FedfilterError
 
@@ -136,7 +137,7 @@ class _Tap:
             return None
         bad = (ids < 0) | (ids >= cast(nn.Embedding, m).num_embeddings)
         self.bad = self.bad | bad.any()
-        safe = torch.where(bad, torch.zeros((), dtype=ids.dtype, device=ids.device), ids)
+        safe = or_zero(~bad, ids)
         if keyword:
             return args, {**kwargs, "input": safe}
         return (safe, *args[1:]), kwargs

@@ -28,7 +28,9 @@ from torch import nn
 from torch.func import functional_call
 
 from client_agent.gradients import LossFn, _check_losses
+from client_agent.layers import rows_where
 from protocol import messages as wire
+from protocol.branchless import or_zero
 from protocol.validate import integer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -54,14 +56,14 @@ def null_as_zero(
         with torch.no_grad():
             classes = int(model(torch.zeros_like(xt[:1])).shape[-1])
         usable = np.isfinite(xt.reshape(len(xt), -1).numpy()).all(axis=1) & (labels >= 0) & (labels < classes)
-        yt = torch.from_numpy(np.where(usable, labels, 0).astype(np.int64))
+        yt = torch.from_numpy(or_zero(usable, labels.astype(np.int64)))
         weights = torch.from_numpy(usable.astype(np.float32))
     else:
         yt = torch.from_numpy(np.ascontiguousarray(y))
         mask = valid(xt, yt, model).reshape(-1).to(torch.bool)
-        yt = torch.where(mask.reshape(-1, *([1] * (yt.ndim - 1))), yt, torch.zeros((), dtype=yt.dtype))
+        yt = rows_where(mask, yt)
         weights = mask.to(torch.float32)
-    xt = torch.where(weights.reshape(-1, *([1] * (xt.ndim - 1))) > 0, xt, torch.zeros((), dtype=xt.dtype))
+    xt = rows_where(weights > 0, xt)
     return xt, yt, weights
 
 

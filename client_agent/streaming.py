@@ -53,6 +53,8 @@ from torch.func import functional_call
 from client_agent.gradients import LossFn
 from client_agent.isolation import PerRecord, check_validity_vmaps, per_record_validity
 from client_agent.layers import rows_where
+from client_agent.layers.base import or_zero as where_or_zero
+from protocol.branchless import or_zero
 from protocol.errors import FedfilterError
 
 # Declared relative bound on |a record's norm - ||what the sum adds for it||| / ||what the sum adds||.
@@ -156,8 +158,7 @@ def _chunk_tensors(
         nulls["rejected"] = nulls.get("rejected", 0) + int((kept & usable & ~accepted).sum())
     usable &= accepted & kept.to(usable.device)
     xt, yt, usable = xt.to(device), yt.to(device), usable.to(device)
-    xt = torch.where(usable.reshape(-1, *([1] * (xt.ndim - 1))), xt, torch.zeros((), dtype=xt.dtype, device=device))
-    yt = torch.where(usable.reshape(-1, *([1] * (yt.ndim - 1))), yt, torch.zeros((), dtype=yt.dtype, device=device))
+    xt, yt = rows_where(usable, xt), rows_where(usable, yt)
     return xt, yt, usable.to(torch.float32)
 
 
@@ -250,7 +251,7 @@ class _Weigher:
         self.next = start + raw.size
         wt = torch.from_numpy(w).to(device=self.device)
         keep = ((wt != 0) & torch.isfinite(norms) & (norms > 0)).to(self.device)
-        return torch.where(keep, wt, torch.zeros((), dtype=wt.dtype, device=self.device)), keep
+        return where_or_zero(keep, wt), keep
 
 
 @contextmanager
@@ -674,12 +675,13 @@ class StreamedGradients:
         """
         norms = np.asarray(norms, dtype=np.float64)
         ok = np.isfinite(norms) & (norms > 0.0)
-        kept = np.where(ok, np.asarray(scales, dtype=np.float64), 0.0)
-        return np.where(ok, norms, 0.0) * kept * (1.0 + NORM_REL_ERROR)
+        kept = or_zero(ok, np.asarray(scales, dtype=np.float64))
+        out: NDArray[np.float64] = or_zero(ok, norms) * kept * (1.0 + NORM_REL_ERROR)
+        return out
 
     def scale(self, scales: NDArray[np.float64]) -> NDArray[np.float64]:
         ok = self._sendable()
-        self._scales = np.where(ok, np.asarray(scales, dtype=np.float64), 0.0)
+        self._scales = or_zero(ok, np.asarray(scales, dtype=np.float64))
         return self.charged_norms(self.norms(), scales)
 
     def clipped_sum(self, weights: WeightsFn, *, keep: NDArray[np.bool_] | None = None) -> NDArray[np.float64]:
@@ -709,7 +711,7 @@ class StreamedGradients:
     def weighted_sum(self, weights: NDArray[Any]) -> NDArray[np.float64]:
         """sum_i weights_i x (scaled record i): the same isolated pass with fixed weights (the two-pass path)."""
         scales = np.ones(self.n_units) if self._scales is None else self._scales
-        fixed = np.where(self._sendable(), scales * np.asarray(weights, dtype=np.float64), 0.0)
+        fixed = or_zero(self._sendable(), scales * np.asarray(weights, dtype=np.float64))
         _, total, _ = fused_clipped_sum(
             self.model,
             self.loss_fn,

@@ -17,6 +17,8 @@ import torch
 from numpy.typing import NDArray
 
 from client_agent.gradients import per_example_gradients, summed_gradient
+from client_agent.layers import rows_where
+from client_agent.layers.base import or_zero as where_or_zero
 from client_agent.model_cache import MODELS
 from client_agent.streaming import (
     Contributions,
@@ -29,6 +31,7 @@ from client_agent.streaming import (
     record_shapes,
 )
 from protocol import messages as wire
+from protocol.branchless import or_zero
 from workloads.builtin import BUILTIN
 from workloads.models import load_flat_parameters
 from workloads.registry import DataSource, QueryArgs, Workload, WorkloadError, bounded_rows
@@ -143,11 +146,10 @@ def client_gradient_row(
         if not yt.is_floating_point():
             yt = yt.to(torch.int64)  # class labels, as the loss takes them
         finite = torch.isfinite(xt.reshape(len(xt), -1)).all(dim=1)
-        safe_x = torch.where(finite.reshape(-1, *([1] * (xt.ndim - 1))), xt, torch.zeros((), dtype=xt.dtype))
+        safe_x = rows_where(finite, xt)
         usable = finite & valid(safe_x, yt).to(torch.bool)
         weights = usable.to(torch.float32)
-        xt = torch.where(usable.reshape(-1, *([1] * (xt.ndim - 1))), xt, torch.zeros((), dtype=xt.dtype))
-        yt = torch.where(usable.reshape(-1, *([1] * (yt.ndim - 1))), yt, torch.zeros((), dtype=yt.dtype))
+        xt, yt = rows_where(usable, xt), rows_where(usable, yt)
         part = summed_gradient(model, loss, xt, yt, weights=weights).to(torch.float64)
         total = part if total is None else total + part
     assert total is not None
@@ -175,8 +177,8 @@ def gradient_rows(request: wire.GradientRequest, x: NDArray[Any], y: NDArray[Any
     # which records are null, privacy.md §8): a null record gets zero features, label 0 and the
     # loss weight 0, so its gradient row is exactly zero and it pays nothing.
     weights = torch.from_numpy(usable.astype(np.float32))
-    xt = torch.where(weights.reshape(-1, *([1] * (xt.ndim - 1))) > 0, xt, torch.zeros((), dtype=xt.dtype))
-    yt = torch.from_numpy(np.where(usable, labels, 0).astype(np.int64))
+    xt = rows_where(torch.from_numpy(usable), xt)
+    yt = torch.from_numpy(or_zero(usable, labels.astype(np.int64)))
     if unit == "record":
         return per_example_gradients(model, _cross_entropy, xt, yt, weights=weights).numpy()
     total = summed_gradient(model, _cross_entropy, xt, yt, weights=weights)
@@ -229,7 +231,7 @@ class OneRecordAtATime(torch.nn.Module):
                 return None
             bad = (ids < 0) | (ids >= int(cast(torch.nn.Embedding, m).num_embeddings))
             flags.append(bad.any())
-            safe = torch.where(bad, torch.zeros((), dtype=ids.dtype), ids)
+            safe = where_or_zero(~bad, ids)
             return (args, {**kwargs, "input": safe}) if keyword else ((safe, *args[1:]), kwargs)
 
         def one(xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,8 +293,7 @@ def _kept_records(
     flat = xt.reshape(len(xt), -1)
     finite = torch.isfinite(flat).all(dim=1) if xt.is_floating_point() else torch.ones(len(xt), dtype=torch.bool)
     finite = finite & torch.from_numpy(np.ascontiguousarray(keep, dtype=np.bool_))
-    safe = torch.where(finite.reshape(-1, *([1] * (xt.ndim - 1))), xt, torch.zeros((), dtype=xt.dtype))
-    safe_y = torch.where(finite.reshape(-1, *([1] * (yt.ndim - 1))), yt, torch.zeros((), dtype=yt.dtype))
+    safe, safe_y = rows_where(finite, xt), rows_where(finite, yt)
     inner = model.inner if isinstance(model, OneRecordAtATime) else model
 
     def valid(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
@@ -301,7 +302,7 @@ def _kept_records(
     with torch.no_grad():
         checked = per_record_validity(valid, safe, safe_y, vmapped=True) if isolated else valid(safe, safe_y).bool()
     mask: NDArray[np.bool_] = (finite & checked).numpy()
-    zeroed = np.where(mask.reshape(-1, *([1] * (bx.ndim - 1))), bx, np.zeros((), dtype=bx.dtype))
+    zeroed = or_zero(mask.reshape(-1, *([1] * (bx.ndim - 1))), np.asarray(bx))
     return zeroed, mask
 
 
@@ -377,7 +378,7 @@ def indicator_rows(
         if kept is not None:
             if isinstance(model, OneRecordAtATime) and model.bad is not None:
                 kept = kept & ~model.bad.numpy()
-            rows = np.where(kept.reshape(-1, 1), rows, np.float32(0.0)).astype(np.float32)
+            rows = or_zero(kept.reshape(-1, 1), np.asarray(rows, dtype=np.float32))
         parts.append(rows)
         done += len(bx)
     values = np.concatenate(parts) if len(parts) > 1 else parts[0]

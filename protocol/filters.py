@@ -30,6 +30,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from protocol.branchless import or_zero, select
 from protocol.conversions import (
     RdpConversion,
     ZcdpConversion,
@@ -250,8 +251,7 @@ def remaining(filt: GaussianFilter, state: FilterState) -> NDArray[np.float64]:
     """T - S per unit, 0 for stopped units."""
     out = filt.threshold - state.spent
     np.maximum(out, 0.0, out=out)
-    out[state.stopped] = 0.0
-    return out
+    return or_zero(~np.asarray(state.stopped), out)
 
 
 def partial_clip(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_clip: float) -> NDArray[np.float64]:
@@ -267,8 +267,7 @@ def partial_clip(filt: GaussianFilter, state: FilterState, *, noise_std: float, 
     np.sqrt(out, out=out)
     out *= sigma
     np.minimum(out, clip, out=out)
-    np.copyto(out, 0.0, where=state.stopped)
-    return out
+    return or_zero(~np.asarray(state.stopped), out)
 
 
 def clip_scales(norms: NDArray[np.floating], bounds: NDArray[np.floating], *, dtype_eps: float) -> NDArray[np.float64]:
@@ -283,7 +282,8 @@ def clip_scales(norms: NDArray[np.floating], bounds: NDArray[np.floating], *, dt
     target = bounds64 * (1.0 - 64.0 * dtype_eps)
     with np.errstate(divide="ignore", invalid="ignore"):
         # Vectors already within their bound are left exactly as they are.
-        scale = np.where(norms64 > bounds64, target / np.where(norms64 > 0, norms64, 1.0), 1.0)
+        over = norms64 > bounds64
+        scale = select(over, target / select(norms64 > 0, norms64, 1.0), 1.0)
     return np.asarray(np.clip(scale, 0.0, 1.0), dtype=np.float64)
 
 
@@ -297,7 +297,7 @@ class Charge:
 
     def release(self, *, kind: str, round_id: str, noise_std: float, l2_norms: NDArray[np.floating]) -> GaussianRelease:
         """The record of what this charge let out: admitted norms, zeros elsewhere, and the refusals."""
-        released = np.where(self.admitted, np.asarray(l2_norms, dtype=np.float64).reshape(-1), 0.0)
+        released = or_zero(self.admitted, np.asarray(l2_norms, dtype=np.float64).reshape(-1))
         return GaussianRelease(kind, round_id, noise_std, released, refused=self.refused)
 
 
@@ -334,32 +334,48 @@ def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_nor
     admitted = np.empty(n, dtype=np.bool_)
     refused = np.empty(n, dtype=np.bool_)
     stopped = np.empty(n, dtype=np.bool_)
-    wants = np.empty(min(n, CHARGE_BLOCK), dtype=np.bool_)
+    block = min(n, CHARGE_BLOCK)
+    wants = np.empty(block, dtype=np.bool_)
+    increments = np.empty(block, dtype=np.float64)
+    ones = np.ones(block, dtype=np.float64)
     total = 0.0
     smallest = math.inf
-    for lo in range(0, n, CHARGE_BLOCK):
-        hi = min(lo + CHARGE_BLOCK, n)
-        x, old, old_stopped = norms[lo:hi], spent[lo:hi], was_stopped[lo:hi]
-        cost, ok, no, stop, want = new_spent[lo:hi], admitted[lo:hi], refused[lo:hi], stopped[lo:hi], wants[: hi - lo]
-        smallest = min(smallest, float(x.min()))
-        # The cost is (norm / sigma)^2, divided first: 1 / sigma overflows for a subnormal sigma.
-        np.divide(x, sigma, out=cost)
-        np.multiply(cost, cost, out=cost)
-        np.add(cost, old, out=cost)
-        # A NaN or infinite norm, or a non-finite cost, makes the running total non-finite.
-        total += float(cost.sum())
-        np.less_equal(cost, threshold, out=ok)
-        np.greater(ok, old_stopped, out=ok)  # fits and not stopped
-        # Stopped: left with at most EXHAUSTED_FRACTION of T, or does not fit (stopped before,
-        # or refused). For a unit that fits, the cost is its new S; a | ~b is a >= b on booleans.
-        np.greater_equal(cost, low, out=stop)
-        np.greater_equal(stop, ok, out=stop)
-        np.greater(x, 0.0, out=want)
-        np.greater(want, ok, out=no)  # wants and does not fit: refused
-        # A unit with norm 0 already has cost == spent; refused units are undone. The same
-        # operations run whoever is refused (the work must not depend on who stops, privacy.md §8).
-        np.copyto(cost, old, where=no)
-        np.logical_and(ok, want, out=ok)
+    # inf * 0 (a non-finite cost that does not fit) is NaN: the charge raises for it below.
+    with np.errstate(invalid="ignore"):
+        for lo in range(0, n, CHARGE_BLOCK):
+            hi = min(lo + CHARGE_BLOCK, n)
+            x, old, old_stopped = norms[lo:hi], spent[lo:hi], was_stopped[lo:hi]
+            cost, ok, no, stop, want = (
+                new_spent[lo:hi],
+                admitted[lo:hi],
+                refused[lo:hi],
+                stopped[lo:hi],
+                wants[: hi - lo],
+            )
+            inc = increments[: hi - lo]
+            smallest = min(smallest, float(x.min()))
+            # The cost is (norm / sigma)^2, divided first: 1 / sigma overflows for a subnormal sigma.
+            np.divide(x, sigma, out=inc)
+            np.multiply(inc, inc, out=inc)
+            np.add(old, inc, out=cost)
+            # A NaN or infinite norm, or a non-finite cost, makes the running total non-finite (a dot
+            # product with ones: one BLAS pass, half the time of a pairwise sum; the total is only checked).
+            total += float(cost @ ones[: hi - lo])
+            np.less_equal(cost, threshold, out=ok)
+            np.greater(ok, old_stopped, out=ok)  # fits and not stopped
+            # Stopped: left with at most EXHAUSTED_FRACTION of T, or does not fit (stopped before,
+            # or refused). For a unit that fits, the cost is its new S; a | ~b is a >= b on booleans.
+            np.greater_equal(cost, low, out=stop)
+            np.greater_equal(stop, ok, out=stop)
+            np.greater(x, 0.0, out=want)
+            np.greater(want, ok, out=no)  # wants and does not fit: refused
+            # A unit that does not fit pays nothing: S + inc * fits is S + 0 = S exactly for it (inc is
+            # finite and >= 0, else the charge raises below), and the cost just checked for a unit that
+            # fits (a norm of 0 adds 0). Arithmetic, not a masked copy: np.copyto(where=) branches per
+            # element, so its time told how many units were refused (privacy.md §8, protocol/branchless.py).
+            np.multiply(inc, ok, out=inc)
+            np.add(old, inc, out=cost)
+            np.logical_and(ok, want, out=ok)
     if not math.isfinite(total) or smallest < 0.0:
         if not (math.isfinite(float(norms.sum())) and float(norms.min()) >= 0.0):
             raise PrivacyParameterError("l2_norms: expected finite norms >= 0, found NaN, infinity or a negative value")

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from protocol.branchless import or_zero
 from protocol.errors import FedfilterError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -312,7 +313,7 @@ def bounded_rows(query: Query, values: Any, b: int) -> np.ndarray:
     if rows.shape != (b, query.dim):
         raise WorkloadError(f"query: expected rows of shape ({b}, {query.dim}), got {rows.shape}")
     finite = np.asarray(np.isfinite(rows).all(axis=1))
-    rows = np.where(finite[:, None], rows, 0.0)
+    rows = or_zero(finite[:, None], rows)
     norms = np.linalg.norm(rows, axis=1)
     scale = np.minimum(1.0, query.l2_bound / np.maximum(norms, np.finfo(np.float64).tiny))
     out: np.ndarray = (rows * scale[:, None]).astype(np.float32)

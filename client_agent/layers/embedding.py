@@ -13,7 +13,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from client_agent.layers.base import DenseRows, Rows
+from client_agent.layers.base import DenseRows, Rows, or_zero
 
 
 class EmbeddingKind:
@@ -28,16 +28,14 @@ class EmbeddingKind:
         idx2 = a.reshape(b, -1)
         g3 = g.reshape(b, idx2.shape[1], -1)
         if e.padding_idx is not None:
-            zero = torch.zeros((), dtype=g3.dtype, device=g3.device)
-            g3 = torch.where((idx2 != e.padding_idx).unsqueeze(-1), g3, zero)
+            g3 = or_zero((idx2 != e.padding_idx).unsqueeze(-1), g3)
         ids, order = idx2.sort(dim=1, stable=True)
         starts = torch.ones_like(ids, dtype=torch.bool)
         starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
         group = (starts.cumsum(dim=1) - 1).unsqueeze(-1).expand_as(g3)
         wide = order.unsqueeze(-1).expand_as(g3)
         sums = torch.zeros_like(g3).scatter_add_(1, group, g3.gather(1, wide))
-        zero = torch.zeros((), dtype=g3.dtype, device=g3.device)
-        at_start = torch.where(starts.unsqueeze(-1), sums.gather(1, group), zero)
+        at_start = or_zero(starts.unsqueeze(-1), sums.gather(1, group))
         rows = torch.zeros_like(g3).scatter_(1, wide, at_start)
         return DenseRows({"weight": rows}, index=idx2)
 
