@@ -2,14 +2,17 @@
 sum of squares over the same array, measured in this script (issue 24: at most 3x).
 
 The filter update is :func:`protocol.filters.charge` (check, charge, stop) given the units'
-clipped norms. Baselines, over the same 1e6-element float64 array of norms:
+clipped norms: the compiled pass (protocol/fused_charge.py) when numba is installed
+(``fedfilter[fast]``), and numpy's blocked path (``FEDFILTER_FUSED_CHARGE=0``), both timed.
+Baselines, over the same 1e6-element float64 array of norms:
   - ``np.square(x).sum()``: the plain numpy sum of squares (the ratio's denominator);
   - ``x @ x``: the BLAS dot product, the fastest way numpy has (printed for honesty).
 Also printed: the partial-clip bound computation that precedes a round.
 
 The candidates run interleaved, one call each per repeat, so drift in the machine's speed
 and in what the caches hold touches them alike; each figure is the best and the median over
-the repeats. The last line is ``accounting_ratio=<charge / sum of squares, best>``.
+the repeats. The last line is ``accounting_ratio=<charge / sum of squares, best>`` for the path ``charge``
+takes here (the compiled one when numba is installed).
 
 Run: .venv/bin/python benchmarks/accounting.py [--units N] [--repeats R]
 """
@@ -17,13 +20,14 @@ Run: .venv/bin/python benchmarks/accounting.py [--units N] [--repeats R]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from protocol.filters import FilterState, GaussianFilter, charge, partial_clip
+from protocol.filters import FilterState, GaussianFilter, _fused_kernel, charge, partial_clip
 
 
 def interleaved(candidates: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
@@ -48,24 +52,39 @@ def main() -> None:
     # A realistic round: each unit's norm is clipped to its partial-clip bound (0 once stopped).
     norms = np.minimum(rng.uniform(0, 1.0, args.units), partial_clip(filt, state, noise_std=10.0, l2_clip=1.0))
 
-    times = interleaved(
-        {
-            "np.square(x).sum()": lambda: np.square(norms).sum(),
-            "x @ x (BLAS)": lambda: norms @ norms,
-            "filter charge": lambda: charge(filt, state, noise_std=10.0, l2_norms=norms),
-            "partial-clip bounds": lambda: partial_clip(filt, state, noise_std=10.0, l2_clip=1.0),
-        },
-        args.repeats,
-    )
+    fused = _fused_kernel() is not None
+    if fused:
+        charge(filt, state, noise_std=10.0, l2_norms=norms)  # compiled (or loaded from numba's cache) once
+
+    def numpy_charge() -> object:
+        os.environ["FEDFILTER_FUSED_CHARGE"] = "0"
+        try:
+            return charge(filt, state, noise_std=10.0, l2_norms=norms)
+        finally:
+            os.environ.pop("FEDFILTER_FUSED_CHARGE")
+
+    candidates: dict[str, Callable[[], object]] = {
+        "np.square(x).sum()": lambda: np.square(norms).sum(),
+        "x @ x (BLAS)": lambda: norms @ norms,
+        "filter charge": lambda: charge(filt, state, noise_std=10.0, l2_norms=norms),
+        "charge, numpy path": numpy_charge,
+        "partial-clip bounds": lambda: partial_clip(filt, state, noise_std=10.0, l2_clip=1.0),
+    }
+    if not fused:
+        del candidates["charge, numpy path"]
+    times = interleaved(candidates, args.repeats)
     best = {name: min(ts) for name, ts in times.items()}
     median = {name: statistics.median(ts) for name, ts in times.items()}
-    print(f"units: {args.units:,}, repeats: {args.repeats}, interleaved (best / median, ms)")
+    path = "compiled (numba)" if fused else "numpy (numba not installed)"
+    print(f"units: {args.units:,}, repeats: {args.repeats}, interleaved (best / median, ms); charge: {path}")
     for name in times:
         print(f"  {name:22s} {best[name] * 1e3:8.3f} / {median[name] * 1e3:8.3f}")
     base, base_med = best["np.square(x).sum()"], median["np.square(x).sum()"]
     ratio = best["filter charge"] / base
     print(f"ratio charge / sum of squares (best): {ratio:.2f}   (median: {median['filter charge'] / base_med:.2f})")
     print(f"ratio charge / BLAS dot (best):       {best['filter charge'] / best['x @ x (BLAS)']:.2f}")
+    if fused:
+        print(f"ratio numpy path / sum of squares:    {best['charge, numpy path'] / base:.2f}")
     print(f"ratio partial clip / sum of squares:  {best['partial-clip bounds'] / base:.2f}")
     print(f"accounting_ratio={ratio:.2f}")
 

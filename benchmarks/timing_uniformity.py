@@ -12,7 +12,8 @@ Rows:
   - ``np.copyto(where=)``, ``np.where``, ``torch.where`` (the masked primitives);
   - ``branchless.select`` / ``or_zero`` and torch ``or_zero`` (their replacements);
   - ``filters.charge`` over --units units whose refused fraction follows the mask (the
-    function every agent runs on every request), and the agent's ``charge_with_quota``.
+    function every agent runs on every request: compiled when numba is installed and there are
+    at least 65,536 units), its numpy path, and the agent's ``charge_with_quota``.
 
 The last line is ``timing_spread_charge=<spread>`` (the charge's spread, issue 24 / privacy.md §8).
 
@@ -25,6 +26,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -83,6 +85,13 @@ def main() -> None:
     quota = GaussianFilter.gdp(epsilon=2.0, delta=1e-5)
     qstate = FilterState(spent=np.zeros(n), stopped=np.zeros(n, bool))
 
+    def numpy_path(state: FilterState) -> object:
+        os.environ["FEDFILTER_FUSED_CHARGE"] = "0"
+        try:
+            return charge(filt, state, noise_std=sigma, l2_norms=norms)
+        finally:
+            os.environ.pop("FEDFILTER_FUSED_CHARGE")
+
     rows: dict[str, Callable[[str], Callable[[], object]]] = {
         "np.add (no mask)": lambda k: lambda: np.add(a, b, out=out),
         "np.copyto(where=)": lambda k: lambda: np.copyto(out, a, where=mk[k]),
@@ -92,6 +101,7 @@ def main() -> None:
         "branchless.or_zero": lambda k: lambda: or_zero(mk[k], a),
         "torch or_zero": lambda k: lambda: torch_or_zero(tmk[k], ta),
         "filters.charge": lambda k: lambda: charge(filt, states[k], noise_std=sigma, l2_norms=norms),
+        "charge, numpy path": lambda k: partial(numpy_path, states[k]),
         "charge_with_quota": lambda k: (
             lambda: charge_with_quota(filt, states[k], quota, qstate, noise_std=sigma, l2_norms=norms)
         ),

@@ -50,7 +50,7 @@ def select(mask: ArrayLike, a: ArrayLike, b: ArrayLike) -> NDArray[Any]:
         raise TypeError(f"select: expected boolean, integer or float arrays, got dtype {dtype}")
     shape = np.broadcast_shapes(np.shape(mask), a_arr.shape, b_arr.shape)
     a_words, b_words = _words(a_arr, dtype, shape), _words(b_arr, dtype, shape)
-    out = np.bitwise_xor(a_words, b_words)  # a fresh C-ordered array of words
+    out: NDArray[Any] = np.bitwise_xor(a_words, b_words)  # a fresh C-ordered array of words
     np.bitwise_and(out, _word_mask(mask, shape, dtype.itemsize), out=out)
     np.bitwise_xor(out, b_words, out=out)
     return out.view(dtype)

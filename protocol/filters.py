@@ -23,9 +23,10 @@ a filter over a silo's records is vectorised.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -307,29 +308,33 @@ class Charge:
 CHARGE_BLOCK = 1 << 16
 
 
-def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_norms: NDArray[np.floating]) -> Charge:
-    """Check, then charge, a release with per-unit clipped norms ``l2_norms`` (privacy.md §3 rules).
+# Filters of at least this many units are charged by protocol/fused_charge.py when numba is installed.
+FUSED_MIN_UNITS = CHARGE_BLOCK
+_LARGEST = float(np.finfo(np.float64).max)
 
-    A unit is admitted when it is not stopped and S + ||v||^2/sigma^2 <= T; an admitted
-    unit pays that cost. A unit that asks for more than it has left (or is stopped)
-    is refused: it must contribute 0, pays 0, and is stopped for good. A unit with a
-    zero norm pays nothing. Units left with at most EXHAUSTED_FRACTION of T stop.
 
-    The update runs block by block over ``CHARGE_BLOCK`` units, each block with the same
-    elementwise operations in the same order, so the result is the same as one pass over
-    the whole array, bit for bit; only the memory traffic differs. Validation: a NaN,
-    infinite or negative norm, or a non-finite cost, raises as before; a filter of zero
-    units gets an empty charge, and finite norms whose plain sum would overflow are accepted
-    (the one-pass version refused both, as side effects of numpy reductions).
-    """
-    sigma = positive("noise_std", noise_std)
-    norms = np.asarray(l2_norms, dtype=np.float64).reshape(-1)
-    n = state.n_units
-    if norms.size != n:
-        raise PrivacyParameterError(f"l2_norms: expected {n} norms (one per unit), got {norms.size}")
-    threshold = filt.threshold
-    low = threshold * (1.0 - EXHAUSTED_FRACTION)
-    spent, was_stopped = state.spent, state.stopped
+def _fused_kernel() -> Callable[..., tuple[Any, ...]] | None:
+    """The compiled charge, or None: numba is not installed, or ``FEDFILTER_FUSED_CHARGE=0``."""
+    if os.environ.get("FEDFILTER_FUSED_CHARGE", "1") == "0":
+        return None
+    try:
+        from protocol.fused_charge import fused_charge
+    except ImportError:
+        return None
+    return fused_charge
+
+
+def _blocked_charge(
+    norms: NDArray[np.float64],
+    spent: NDArray[np.float64],
+    was_stopped: NDArray[np.bool_],
+    *,
+    sigma: float,
+    threshold: float,
+    low: float,
+) -> tuple[NDArray[np.float64], NDArray[np.bool_], NDArray[np.bool_], NDArray[np.bool_], bool, bool]:
+    """The charge in numpy, block by block: (new spent, admitted, refused, stopped, a norm < 0, a cost not finite)."""
+    n = norms.size
     new_spent = np.empty(n, dtype=np.float64)
     admitted = np.empty(n, dtype=np.bool_)
     refused = np.empty(n, dtype=np.bool_)
@@ -337,9 +342,7 @@ def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_nor
     block = min(n, CHARGE_BLOCK)
     wants = np.empty(block, dtype=np.bool_)
     increments = np.empty(block, dtype=np.float64)
-    ones = np.ones(block, dtype=np.float64)
-    total = 0.0
-    smallest = math.inf
+    negative = not_finite = False
     # inf * 0 (a non-finite cost that does not fit) is NaN: the charge raises for it below.
     with np.errstate(invalid="ignore"):
         for lo in range(0, n, CHARGE_BLOCK):
@@ -353,14 +356,13 @@ def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_nor
                 wants[: hi - lo],
             )
             inc = increments[: hi - lo]
-            smallest = min(smallest, float(x.min()))
+            negative = (float(x.min()) < 0.0) or negative  # a NaN minimum is caught by the cost
             # The cost is (norm / sigma)^2, divided first: 1 / sigma overflows for a subnormal sigma.
             np.divide(x, sigma, out=inc)
             np.multiply(inc, inc, out=inc)
             np.add(old, inc, out=cost)
-            # A NaN or infinite norm, or a non-finite cost, makes the running total non-finite (a dot
-            # product with ones: one BLAS pass, half the time of a pairwise sum; the total is only checked).
-            total += float(cost @ ones[: hi - lo])
+            # A NaN or infinite norm, or a non-finite cost, makes the largest cost NaN or infinite.
+            not_finite = (not float(cost.max()) <= _LARGEST) or not_finite
             np.less_equal(cost, threshold, out=ok)
             np.greater(ok, old_stopped, out=ok)  # fits and not stopped
             # Stopped: left with at most EXHAUSTED_FRACTION of T, or does not fit (stopped before,
@@ -376,8 +378,45 @@ def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_nor
             np.multiply(inc, ok, out=inc)
             np.add(old, inc, out=cost)
             np.logical_and(ok, want, out=ok)
-    if not math.isfinite(total) or smallest < 0.0:
-        if not (math.isfinite(float(norms.sum())) and float(norms.min()) >= 0.0):
+    return new_spent, admitted, refused, stopped, negative, not_finite
+
+
+def charge(filt: GaussianFilter, state: FilterState, *, noise_std: float, l2_norms: NDArray[np.floating]) -> Charge:
+    """Check, then charge, a release with per-unit clipped norms ``l2_norms`` (privacy.md §3 rules).
+
+    A unit is admitted when it is not stopped and S + ||v||^2/sigma^2 <= T; an admitted
+    unit pays that cost. A unit that asks for more than it has left (or is stopped)
+    is refused: it must contribute 0, pays 0, and is stopped for good. A unit with a
+    zero norm pays nothing. Units left with at most EXHAUSTED_FRACTION of T stop.
+
+    The update runs block by block over ``CHARGE_BLOCK`` units, each block with the same
+    elementwise operations in the same order, so the result is the same as one pass over
+    the whole array, bit for bit; only the memory traffic differs. With numba installed
+    (``fedfilter[fast]``), a filter of at least ``FUSED_MIN_UNITS`` units is charged by one
+    compiled pass with the same arithmetic (protocol/fused_charge.py), bit for bit the same
+    result; ``FEDFILTER_FUSED_CHARGE=0`` keeps numpy. Validation: a NaN, infinite or negative
+    norm, or a non-finite cost, raises; a filter of zero units gets an empty charge, and finite
+    norms whose plain sum would overflow are accepted.
+    """
+    sigma = positive("noise_std", noise_std)
+    norms = np.asarray(l2_norms, dtype=np.float64).reshape(-1)
+    n = state.n_units
+    if norms.size != n:
+        raise PrivacyParameterError(f"l2_norms: expected {n} norms (one per unit), got {norms.size}")
+    threshold = filt.threshold
+    low = threshold * (1.0 - EXHAUSTED_FRACTION)
+    spent, was_stopped = state.spent, state.stopped
+    fused = _fused_kernel() if n >= FUSED_MIN_UNITS else None
+    if fused is not None:
+        new_spent, admitted, refused, stopped, negative, not_finite = fused(
+            norms, spent, was_stopped, sigma=sigma, threshold=threshold, low=low
+        )
+    else:
+        new_spent, admitted, refused, stopped, negative, not_finite = _blocked_charge(
+            norms, spent, was_stopped, sigma=sigma, threshold=threshold, low=low
+        )
+    if negative or not_finite:
+        if not (bool(np.isfinite(norms).all()) and float(norms.min()) >= 0.0):
             raise PrivacyParameterError("l2_norms: expected finite norms >= 0, found NaN, infinity or a negative value")
         raise PrivacyParameterError(
             f"noise_std: {sigma!r} prices these norms at a non-finite cost; expected (norm / noise_std)^2 to be finite"
