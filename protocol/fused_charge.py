@@ -24,6 +24,8 @@ it only for filters of at least ``FUSED_MIN_UNITS`` units, and falls back to num
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 from numpy.typing import NDArray
@@ -31,8 +33,7 @@ from numpy.typing import NDArray
 _LARGEST = float(np.finfo(np.float64).max)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
-def _kernel(
+def _kernel_source(
     norms: NDArray[np.float64],
     spent: NDArray[np.float64],
     was_stopped: NDArray[np.bool_],
@@ -63,6 +64,21 @@ def _kernel(
         refused[i] = want & (not fits)
         admitted[i] = fits & want
     return negative, not_finite
+
+
+def _compiled() -> Any:
+    """The kernel, cached on disk where numba can write; compiled in memory where it cannot.
+
+    An agent run as its own service user from a read-only install has no cache locator (numba raises
+    RuntimeError when the function is decorated): it then compiles once per process, about a second.
+    """
+    try:
+        return numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")(_kernel_source)
+    except RuntimeError:
+        return numba.njit(cache=False, nogil=True, boundscheck=False, error_model="numpy")(_kernel_source)
+
+
+_kernel = _compiled()
 
 
 def fused_charge(

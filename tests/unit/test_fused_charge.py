@@ -117,3 +117,34 @@ def test_both_paths_refuse_bad_norms_alike(
         monkeypatch.setenv("FEDFILTER_FUSED_CHARGE", fused)
         with pytest.raises(PrivacyParameterError, match=message), np.errstate(over="ignore"):
             charge(FILT, FilterState.fresh(n), noise_std=sigma, l2_norms=norms)
+
+
+def test_without_a_cache_location_the_kernel_is_compiled_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent run as its own user from a read-only install: numba raises RuntimeError ("no locator
+    available") when a cached function is decorated; the module must still load and charge."""
+    import importlib
+
+    import numba
+
+    import protocol.fused_charge as module
+
+    real = numba.njit
+    asked: list[bool] = []
+
+    def njit(*args: object, cache: bool = False, **kwargs: object) -> object:
+        asked.append(cache)
+        if cache:
+            raise RuntimeError("cannot cache function '_kernel': no locator available")
+        return real(*args, cache=cache, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(numba, "njit", njit)
+    try:
+        reloaded = importlib.reload(module)
+        assert asked == [True, False]
+        norms, spent, stopped = np.array([0.5, 0.0, 3.0]), np.array([0.0, 0.0, T]), np.zeros(3, np.bool_)
+        kw = {"sigma": 1.0, "threshold": T, "low": LOW}
+        expected = filters._blocked_charge(norms, spent, stopped, **kw)
+        assert_bitwise_equal(reloaded.fused_charge(norms, spent, stopped, **kw), expected)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(module)
