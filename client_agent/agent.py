@@ -586,8 +586,10 @@ class Agent:
             reply, new_state, release, new_quota = self.release(
                 request, rows, state, masked=masked, quota=quota, federation=fed
             )
-            if isinstance(rows, StreamedGradients) and any(rows.nulls.values()):
-                # The owner's own log, never sent: a validity rule that nulls the data learns nothing.
+            if isinstance(rows, StreamedGradients):
+                # The owner's own log, never sent: a validity rule that nulls the data learns nothing. Written
+                # for every request, null records or not: a line written only when some record is null took
+                # 15 us more, before the reply (a one-bit timing answer to "is some record null?").
                 LOG.info(
                     "request %r: %d of %d records were the null element (%d not finite, %d rejected by the "
                     "workload's validity rule); they contributed nothing and paid nothing",

@@ -205,7 +205,7 @@ def advance(state: RealisationState, step: RealisationStep, *, losses: NDArray[n
     loss = np.asarray(losses, dtype=np.float64).reshape(-1)
     if loss.size != state.loss.size:
         raise PrivacyParameterError(f"losses: expected {state.loss.size} values, got {loss.size}")
-    if np.any(loss[~step.participating] != 0.0):
+    if np.any((loss != 0.0) & ~step.participating):
         raise PrivacyParameterError("losses: a unit that did not take part cannot carry a realised loss")
     return RealisationState(
         loss=state.loss + loss, accepting=step.accept_next & state.accepting, answered=state.answered + 1

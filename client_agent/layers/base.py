@@ -129,6 +129,8 @@ def or_zero(keep: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """
     if keep.dtype != torch.bool:
         raise TypeError(f"keep: expected a boolean mask, got {keep.dtype}")
+    if t.requires_grad:
+        raise TypeError("or_zero: a bitwise selection carries no gradient; expected a tensor without requires_grad")
     if t.dtype == torch.bool:
         return t & keep
     if t.is_complex():

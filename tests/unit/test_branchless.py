@@ -92,6 +92,8 @@ def test_bad_masks_and_dtypes_are_refused_by_name() -> None:
         torch_or_zero(torch.tensor([1, 0]), torch.zeros(2))
     with pytest.raises(TypeError, match="expected a boolean mask and a float tensor"):
         or_zero_(torch.tensor([True]), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(TypeError, match="carries no gradient"):  # torch.where would pass the gradient on
+        torch_or_zero(torch.tensor([True]), torch.zeros(1, requires_grad=True))
 
 
 @pytest.mark.parametrize(
@@ -131,7 +133,10 @@ _TORCH_MASKED = ("aten.where", "aten.masked_", "aten.nonzero", "aten.index_put",
 def numpy_masked_calls() -> Iterator[list[str]]:
     """Log every call of numpy's masked primitives (np.where with a mask and values, np.copyto with where=, ...)."""
     calls: list[str] = []
-    saved = {name: getattr(np, name) for name in _NUMPY_MASKED}
+    # numpy's own functions call its C primitives through its internal modules (np.nan_to_num calls
+    # numpy._core.numeric.copyto three times with where=): those names are spied on too.
+    spaces = [np, np._core.numeric, np._core.multiarray, np._core.fromnumeric]
+    saved = {(space, name): getattr(space, name) for space in spaces for name in _NUMPY_MASKED if hasattr(space, name)}
 
     def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -141,13 +146,13 @@ def numpy_masked_calls() -> Iterator[list[str]]:
 
         return wrapped
 
-    for name, fn in saved.items():
-        setattr(np, name, spy(name, fn))
+    for (space, name), fn in saved.items():
+        setattr(space, name, spy(name, fn))
     try:
         yield calls
     finally:
-        for name, fn in saved.items():
-            setattr(np, name, fn)
+        for (space, name), fn in saved.items():
+            setattr(space, name, fn)
 
 
 class _MaskedOps(TorchDispatchMode):
@@ -250,6 +255,8 @@ RELEASE_PATH = (
     "client_agent/gradients.py",
     "client_agent/layers",
     "protocol/filters.py",
+    "protocol/releases.py",
+    "protocol/branchless.py",
     "protocol/realisation.py",
     "protocol/secagg.py",
     "workloads/registry.py",
@@ -258,8 +265,13 @@ _MASKED_NAMES = {"where", "putmask", "place", "masked_fill", "masked_fill_", "ma
 
 
 def _is_mask(node: ast.expr) -> bool:
-    return isinstance(node, ast.Compare | ast.UnaryOp) or (
-        isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitAnd | ast.BitOr | ast.BitXor)
+    """A comparison, a negation (~) or a boolean combination (&, |, ^; not a type union with None)."""
+    if isinstance(node, ast.Compare) or (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert)):
+        return True
+    return (
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.BitAnd | ast.BitOr | ast.BitXor)
+        and not any(isinstance(side, ast.Constant) and side.value is None for side in (node.left, node.right))
     )
 
 
@@ -282,6 +294,8 @@ def masked_source(path: Path) -> list[str]:
         for target in targets:
             if isinstance(target, ast.Subscript) and _is_mask(target.slice):
                 found.append((node.lineno, f"{path.name}:{node.lineno} assignment through a mask"))
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_mask(node.slice):
+            found.append((node.lineno, f"{path.name}:{node.lineno} read through a mask"))
     return [text for _, text in sorted(found)]
 
 
@@ -305,6 +319,7 @@ def test_the_source_witness_sees_masked_code(tmp_path: Path) -> None:
         "def f(a, b, m, halt):\n"
         "    np.copyto(a, b, where=m)\n"
         "    halt[m & (halt < 0)] = 3\n"
+        "    z = a[b > 0].sum()\n"
         "    x = np.where(m, a, 0.0)\n"
         "    y = np.where(m)\n"  # indices of a public mask: not a select
         "    return x.masked_fill(m, 0), y\n"
@@ -312,6 +327,7 @@ def test_the_source_witness_sees_masked_code(tmp_path: Path) -> None:
     assert [hit.split(" ", 1)[1] for hit in masked_source(sample)] == [
         "copyto(where=)",
         "assignment through a mask",
+        "read through a mask",
         "where",
         "masked_fill",
     ]
