@@ -689,11 +689,18 @@ class Ledger:
                 "federation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (request_id, seq, message_type, run_id, digest, created_at, release_blob, bytes(reply), federation),
             )
-            conn.execute("UPDATE state SET sha256 = ?, blob = ? WHERE id = 1", (state_sha, state_blob))
+            # The state and quota rows are deleted and inserted whole, never updated: SQLite overwrites a
+            # same-size blob page by page and skips the pages whose bytes did not change, so an UPDATE
+            # wrote (and fsynced) more pages the more units changed or newly stopped, and fewer when all
+            # had stopped (60,000 units: 1.55 MB of WAL with none stopped, 2.55 MB with 300 newly
+            # stopped, 0.57 MB with all stopped). An insert writes every page of the row: the commit's
+            # size depends on the arrays' sizes only (privacy.md §8, §9).
+            conn.execute("DELETE FROM state WHERE id = 1")
+            conn.execute("INSERT INTO state (id, sha256, blob) VALUES (1, ?, ?)", (state_sha, state_blob))
             if quota_blob is not None:
+                conn.execute("DELETE FROM quotas WHERE federation = ?", (federation,))
                 conn.execute(
-                    "INSERT INTO quotas (federation, sha256, blob) VALUES (?, ?, ?) ON CONFLICT (federation) "
-                    "DO UPDATE SET sha256 = excluded.sha256, blob = excluded.blob",
+                    "INSERT INTO quotas (federation, sha256, blob) VALUES (?, ?, ?)",
                     (federation, _sha256(quota_blob), quota_blob),
                 )
             conn.execute("COMMIT")

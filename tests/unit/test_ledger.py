@@ -360,12 +360,12 @@ class TestCommit:
             assert ledger.requests_answered() == 2
 
     def test_failure_inside_sqlite_rolls_back_the_whole_transaction(self, ledger_path: Path) -> None:
-        # The request row is inserted first; the state update then fails inside SQLite. A TEMP
+        # The request row is inserted first; the state insert then fails inside SQLite. A TEMP
         # trigger on the handle's own connection (a trigger in the file is refused at open).
         with Ledger.open(ledger_path, make_config()) as ledger:
             assert ledger._conn is not None
             ledger._conn.execute(
-                "CREATE TEMP TRIGGER fail_state BEFORE UPDATE ON main.state "
+                "CREATE TEMP TRIGGER fail_state BEFORE INSERT ON main.state "
                 "BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
             )
             before = ledger.state()
@@ -391,7 +391,7 @@ class TestCommit:
                 self.real = real
 
             def execute(self, sql: str, args: Any = ()) -> Any:
-                if sql.startswith("UPDATE state"):
+                if sql.startswith("INSERT INTO state"):  # after the old state row is deleted
                     raise KeyboardInterrupt
                 return self.real.execute(sql, args)
 
@@ -630,3 +630,91 @@ def test_a_ledger_on_a_network_filesystem_is_refused(tmp_path: Path, monkeypatch
     with pytest.raises(LedgerError, match="expected a local filesystem, found nfs4"):
         Ledger.open(path, make_config(), initial_state=fresh_state())
     assert not path.exists()  # nothing created
+
+
+class TestCommitSizeDoesNotDependOnWhoStopped:
+    """A commit's disk write (WAL frames, then one fsync) must not tell who stopped (privacy.md §8, §9).
+
+    Review finding: SQLite overwrites a same-size blob page by page and writes only the pages whose
+    bytes changed, so ``UPDATE state`` wrote more pages the more units newly stopped or changed, and
+    almost none when every unit had stopped (60,000 units: 1.55 MB of WAL, 2.55 MB with 300 newly
+    stopped, 0.57 MB with all stopped). The state and quota rows are now deleted and inserted whole.
+    """
+
+    UNITS = 20_000  # each blob spans dozens of 4 KiB pages
+
+    def _frames_of_second_commit(self, folder: Path, old: dict[str, np.ndarray], new: dict[str, np.ndarray]) -> int:
+        path = folder / "ledger.sqlite"
+        config = make_config(n_units=self.UNITS)
+        with Ledger.open(path, config, initial_state=fresh_state(self.UNITS)) as ledger:
+            release = {"noise_std": 2.0, "l2_norms": np.zeros(self.UNITS), "kind": "gaussian"}
+            quota = {"spent": np.zeros(self.UNITS), "stopped": np.zeros(self.UNITS, np.bool_)}
+            quota["halt_round"] = np.full(self.UNITS, -1, np.int64)
+
+            def commit(request_id: str, state: dict[str, np.ndarray]) -> None:
+                ledger.commit(
+                    request_id=request_id,
+                    message_type="fit",
+                    run_id="run-1",
+                    digest=digest(request_id),
+                    release=release,
+                    new_state=state,
+                    reply=b"r" * 64,
+                    federation="alpha",
+                    quota_state={**quota, "spent": state["spent"], "stopped": state["stopped"]},
+                )
+
+            commit("req-1", old)
+            checkpointer = sqlite3.connect(path)
+            try:
+                checkpointer.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                commit("req-2", new)
+                _, frames, _ = checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            finally:
+                checkpointer.close()
+        return int(frames)
+
+    def test_the_same_frames_whoever_stopped(self, tmp_path: Path) -> None:
+        rng = np.random.default_rng(0)
+        n = self.UNITS
+        spent = rng.random(n) * 0.5
+        cases: dict[str, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = {}
+        # Every active unit pays a little more; nobody stops.
+        cases["none stop"] = (
+            {"spent": spent, "stopped": np.zeros(n, np.bool_)},
+            {"spent": spent + 1e-3, "stopped": np.zeros(n, np.bool_)},
+        )
+        newly = np.zeros(n, np.bool_)
+        newly[rng.choice(n, 300, replace=False)] = True
+        cases["300 newly stop"] = (
+            {"spent": spent, "stopped": np.zeros(n, np.bool_)},
+            {"spent": np.where(newly, 1.0, spent + 1e-3), "stopped": newly},
+        )
+        gone = {"spent": np.ones(n), "stopped": np.ones(n, np.bool_)}
+        cases["all stopped before"] = (gone, {k: v.copy() for k, v in gone.items()})  # nothing changes
+        frames = {}
+        for i, (name, (old, new)) in enumerate(cases.items()):
+            folder = tmp_path / str(i)
+            folder.mkdir()
+            frames[name] = self._frames_of_second_commit(folder, old, new)
+        assert len(set(frames.values())) == 1, frames
+        assert frames["none stop"] > 2 * (n * 9 // 4096)  # the state and quota blobs were written whole
+
+    def test_an_update_in_place_would_show_it(self, tmp_path: Path) -> None:
+        """The witness has power: SQLite's same-size UPDATE writes only the changed pages."""
+        path = tmp_path / "plain.sqlite"
+        conn = sqlite3.connect(path, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, blob BLOB NOT NULL)")
+            blob = np.random.default_rng(1).bytes(200_000)
+            conn.execute("INSERT INTO t VALUES (1, ?)", (blob,))
+            written = {}
+            for name, new in (("same", blob), ("one byte", blob[:-1] + bytes([blob[-1] ^ 1])), ("all", blob[::-1])):
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                conn.execute("UPDATE t SET blob = ? WHERE id = 1", (new,))
+                written[name] = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
+                conn.execute("UPDATE t SET blob = ? WHERE id = 1", (blob,))
+        finally:
+            conn.close()
+        assert written["same"] < written["one byte"] < written["all"], written

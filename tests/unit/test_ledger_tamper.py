@@ -16,6 +16,7 @@ import io
 import shutil
 import sqlite3
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +30,18 @@ from protocol.npz import ArchiveError
 from tests.factories import build_agent, gradient_request
 from tests.unit.test_ledger import commit_round, fresh_state, make_config
 
-RESTORE_OLD_STATE = (
-    "CREATE TRIGGER undo AFTER UPDATE ON state BEGIN "
-    "UPDATE state SET sha256 = OLD.sha256, blob = OLD.blob WHERE id = 1; END"
-)
+
+def restore_old_state(path: Path) -> str:
+    """A trigger that puts the state as it is now back after every commit (which deletes and inserts the row)."""
+    conn = sqlite3.connect(path)
+    try:
+        sha, blob = conn.execute("SELECT sha256, blob FROM state WHERE id = 1").fetchone()
+    finally:
+        conn.close()
+    return (
+        "CREATE TRIGGER undo AFTER INSERT ON state BEGIN "
+        f"UPDATE state SET sha256 = '{sha}', blob = X'{bytes(blob).hex()}' WHERE id = 1; END"
+    )
 
 
 def new_ledger(path: Path, *, high_water: Path | None = None, rounds: int = 2) -> None:
@@ -68,7 +77,7 @@ def test_a_trigger_that_undoes_every_commit_gives_unlimited_budget_without_the_s
     """The attack itself, on a handle opened as ``ledger verify`` opens one (foreign objects allowed)."""
     path = tmp_path / "ledger.sqlite"
     new_ledger(path)
-    plant(path, RESTORE_OLD_STATE)
+    plant(path, restore_old_state(path))
     with Ledger.open_existing(path, allow_foreign=True) as ledger:
         before = ledger.state()["spent"].copy()
         for i in range(5):
@@ -81,16 +90,18 @@ def test_a_trigger_that_undoes_every_commit_gives_unlimited_budget_without_the_s
 @pytest.mark.parametrize(
     "sql, named",
     [
-        (RESTORE_OLD_STATE, "trigger 'undo'"),
+        (restore_old_state, "trigger 'undo'"),
         ("CREATE VIEW shown AS SELECT * FROM requests", "view 'shown'"),
         ("CREATE TABLE notes (x)", "table 'notes'"),
         ("CREATE INDEX by_type ON requests (message_type)", "index 'by_type'"),
     ],
 )
-def test_the_agent_refuses_a_ledger_holding_objects_it_did_not_create(tmp_path: Path, sql: str, named: str) -> None:
+def test_the_agent_refuses_a_ledger_holding_objects_it_did_not_create(
+    tmp_path: Path, sql: str | Callable[[Path], str], named: str
+) -> None:
     path = agent_ledger(tmp_path)
     assert verify_ledger(path) == []
-    plant(path, sql)
+    plant(path, sql if isinstance(sql, str) else sql(path))
     with pytest.raises(LedgerError, match=f"expected only the tables and indexes fedfilter creates, found {named}"):
         build_agent(tmp_path, **{"policy-min-noise-std": 1.0})
     assert verify_ledger(path) == [f"schema: {named} was not created by fedfilter"]
@@ -108,7 +119,7 @@ def test_a_schema_changed_after_open_stops_the_next_commit(tmp_path: Path) -> No
     path = tmp_path / "ledger.sqlite"
     new_ledger(path)
     with Ledger.open(path, make_config()) as ledger:
-        plant(path, RESTORE_OLD_STATE)
+        plant(path, restore_old_state(path))
         before = ledger.state()
         with pytest.raises(LedgerError, match="expected the schema this handle checked at open"):
             commit_round(ledger, "req-x")
