@@ -56,7 +56,12 @@ def send_frame(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(socket_path)
-        local_wire.send(sock, frame)
+        try:
+            local_wire.send(sock, frame)
+        except (BrokenPipeError, ConnectionResetError):
+            # The agent answered before reading (told "busy" when all its slots are taken) and closed:
+            # its reply is already in this socket's buffer; with none, receive raises below.
+            pass
         reply = local_wire.receive(sock, local_wire.MAX_FRAME_BYTES)
     return local_wire.unpack_reply(reply)
 

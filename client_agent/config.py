@@ -37,6 +37,10 @@ class PolicyError(FedfilterError, ValueError):
     """A request the client's policy does not allow (nothing is spent)."""
 
 
+# A deployed agent's reply leaves no sooner than this much over the slowest like reply before it.
+DEFAULT_PACING_MARGIN = 0.25
+
+
 class AgentConfigError(FedfilterError, ValueError):
     """The agent's configuration is missing a key or has a bad value."""
 
@@ -271,6 +275,10 @@ class AgentConfig:
     # The coordinators this agent serves ([federations.NAME] tables); empty: one, named "default", with
     # the top-level socket, peers and secagg identity, quota 1 and the agent's monitor.
     federations: tuple[Federation, ...] = ()
+    # `fedfilter agent serve` only: a reply leaves no sooner than (1 + margin) x the slowest answer to a
+    # like request before it (client_agent/service.py ReplyPacer; privacy.md §8). None: replies leave
+    # when ready. ``reply-pacing-margin``: a number >= 0 or "off"; by default 0.25, "off" in central trust.
+    reply_pacing_margin: float | None = None
 
     @property
     def served(self) -> tuple[Federation, ...]:
@@ -475,6 +483,7 @@ _KEYS = {
     "secagg-identity-key",
     "secagg-peers",
     "device",
+    "reply-pacing-margin",
 }
 # Keys Flower itself puts into a simulated node's config.
 _FLOWER_KEYS = {"partition-id", "num-partitions"}
@@ -613,6 +622,7 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         extra_workloads=_extra_workloads(raw),
         federations=_federations(raw),
         audit_log=_audit_log(raw, simulation),
+        reply_pacing_margin=_reply_pacing(raw),
     )
     if not simulation:
         # A deployed agent's owner states the two limits that bound what one request can cost (privacy.md
@@ -687,6 +697,18 @@ def _federations(raw: Mapping[str, Any]) -> tuple[Federation, ...]:
             )
         )
     return tuple(out)
+
+
+def _reply_pacing(raw: Mapping[str, Any]) -> float | None:
+    """``reply-pacing-margin``: a number >= 0, or "off"; by default 0.25, "off" in central trust (trusted)."""
+    if "reply-pacing-margin" not in raw:
+        return None if raw.get("trust", "local") == "central" else DEFAULT_PACING_MARGIN
+    value = raw["reply-pacing-margin"]
+    if value == "off":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise AgentConfigError(f'reply-pacing-margin: expected a number >= 0 or "off", got {value!r}')
+    return float(value)
 
 
 def _high_water(raw: Mapping[str, Any], simulation: bool) -> Path | None:

@@ -40,7 +40,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import logging
+import math
 import os
 import pwd
 import selectors
@@ -136,11 +138,88 @@ def claim_socket_path(path: Path) -> None:
     raise ServiceError(f"agent-socket: expected {path} to be free, found another process serving it")
 
 
+class ReplyPacer:
+    """A reply leaves no sooner than (1 + margin) x the slowest answer to a like request before it.
+
+    Why (privacy.md §8): a reply's compute time depends on the data through the owner's model, and
+    so on who stopped, in ways no uniform code path removes: a stopped record enters the model as
+    zeros, and max-pooling ran 35-44 us faster per stopped record (2,000 records of the paper's CNN:
+    523 ms with none stopped, 461 ms with all stopped), a sort over token ids likewise. Records only
+    ever stop, so a client's natural reply time falls as its records stop; a reply held until the
+    slowest like reply so far (plus the margin for the machine's noise) leaves at a time set by
+    earlier replies, whoever has stopped since. Only a request slower than (1 + margin) x every like
+    request before it leaves when ready (and raises the mark): what that tells is that this request
+    was slower than all before, never that records stopped.
+
+    "Like" is keyed on the federation (each federation's marks are its own, so one coordinator's
+    requests never pace another's) and the message type, not on the model: a key the coordinator
+    could vary at will (a model argument) would give every request a fresh, empty mark. So a cheap
+    model's replies wait for the slowest model asked of that federation. What pacing cannot hide: a
+    request slower than every earlier one of its kind leaves when ready, so a coordinator that asks
+    ever heavier models learns one natural time per escalation (each such request is charged like any
+    other). The first request of a kind after the service starts does not set a mark (it pays the
+    process's one-time costs: imports, the model cache, compiling; a mark from it would hold every
+    later reply to a cold start's time); it is held to the stored mark like any other. Marks only rise
+    and are kept beside the ledger (``<ledger>.pacing.json``, written when one rises), so a restart
+    does not reset them to a reply's natural time. The wait runs on the
+    agent's one worker thread, so requests queued behind a paced one are paced too.
+    """
+
+    def __init__(self, margin: float, path: Path | None) -> None:
+        self.margin, self.path = margin, path
+        self.marks: dict[str, float] = {}
+        self.warm: set[str] = set()  # kinds answered since the service started
+        if path is not None and path.exists():
+            try:
+                loaded = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ServiceError(f"reply pacing: expected a JSON object of marks in {path}, found: {exc}") from exc
+            if not isinstance(loaded, dict) or not all(
+                isinstance(k, str) and isinstance(v, float | int) and math.isfinite(v) and v >= 0
+                for k, v in loaded.items()
+            ):
+                raise ServiceError(f"reply pacing: expected {path} to map keys to seconds >= 0, found {loaded!r}")
+            self.marks = {k: float(v) for k, v in loaded.items()}
+
+    @staticmethod
+    def key(federation: str, message_type: str) -> str:
+        return json.dumps([federation, message_type])
+
+    def hold(self, key: str, started: float) -> float:
+        """Wait until the key's deadline (measured from ``started``, time.monotonic); the seconds waited."""
+        elapsed = time.monotonic() - started
+        mark = self.marks.get(key, 0.0)
+        wait = mark * (1.0 + self.margin) - elapsed
+        cold = key not in self.warm
+        self.warm.add(key)
+        if elapsed > mark and not cold:
+            self.marks[key] = elapsed
+            self._save()
+        if wait > 0:
+            time.sleep(wait)
+            return wait
+        return 0.0
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with contextlib.suppress(OSError):  # pacing is kept in memory either way
+            tmp.write_text(json.dumps(self.marks, sort_keys=True))
+            os.replace(tmp, self.path)
+
+
+def pacing_path(config: AgentConfig) -> Path:
+    return config.ledger_path.with_name(config.ledger_path.name + ".pacing.json")
+
+
 class AgentService:
     """The agent behind the socket: one thread owns the agent and answers every request in turn."""
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
+        margin = config.reply_pacing_margin
+        self.pacer = None if margin is None else ReplyPacer(margin, pacing_path(config))
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedfilter-agent")
         self.agent: Agent | None = self.worker.submit(Agent, config).result()  # opened on the worker thread
         self.answered = 0
@@ -151,6 +230,7 @@ class AgentService:
         """One request frame in, one reply frame out (runs on the worker thread); ``unread``: why there is none.
 
         ``federation``: whose socket the frame came over (the agent's first federation when None)."""
+        started = time.monotonic()
         fed = federation or self.config.served[0].name
         message_type = "?"
         try:
@@ -163,10 +243,13 @@ class AgentService:
             outcome = self._answer(message_type, req_config, arrays, fed)
         self.answered += 1
         try:
-            return local_wire.pack_reply(outcome.error_code, outcome.error_reason, outcome.config, outcome.arrays)
+            reply = local_wire.pack_reply(outcome.error_code, outcome.error_reason, outcome.config, outcome.arrays)
         except (local_wire.FrameError, TypeError, ValueError) as exc:
             failed = refusal(wire.ERR_INTERNAL, message_type, {}, exc)
-            return local_wire.pack_reply(failed.error_code, failed.error_reason, None, None)
+            reply = local_wire.pack_reply(failed.error_code, failed.error_reason, None, None)
+        if self.pacer is not None:
+            self.pacer.hold(ReplyPacer.key(fed, message_type), started)
+        return reply
 
     def _answer(
         self, message_type: str, req_config: dict[str, Any], arrays: dict[str, Any], federation: str

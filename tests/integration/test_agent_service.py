@@ -153,6 +153,10 @@ def test_the_proxy_forwards_flower_messages_and_the_service_charges(
     assert "noise_std 0.5 asked; the policy requires noise_std >= 1.0" in out  # logged locally
     after = spent(tmp_path)
     assert after.max() > 0 and np.count_nonzero(after) == 20  # g1 charged once, g2 never
+    # Replies were paced (local trust's default): the marks, kept beside the ledger, name public fields only.
+    marks = json.loads((tmp_path / "ledger.sqlite.pacing.json").read_text())
+    assert set(marks) <= {json.dumps(["default", kind]) for kind in (wire.GRADIENT, wire.STATUS)}
+    assert marks[json.dumps(["default", wire.GRADIENT])] > 0
 
 
 def test_an_unreachable_agent_is_a_fixed_error_that_spends_nothing(tmp_path: Path) -> None:

@@ -110,9 +110,14 @@ def test_requests_beyond_the_connection_bound_are_told_busy_not_buffered(tmp_pat
     sock, proc = served_with(tmp_path)
     stalled = []
     try:
-        for _ in range(MAX_CONNECTIONS):  # each announces 100 bytes and sends none: a slot held
+        while len(stalled) < MAX_CONNECTIONS:  # each announces 100 bytes and sends none: a slot held
             conn = raw_connection(sock)
-            conn.sendall(struct.pack(">4sQ", local_wire.MAGIC, 100))
+            try:
+                conn.sendall(struct.pack(">4sQ", local_wire.MAGIC, 100))
+            except BrokenPipeError:  # told busy: the readiness probe's slot was not yet released
+                conn.close()
+                time.sleep(0.1)
+                continue
             stalled.append(conn)
         time.sleep(0.5)
         code, reason, _, _ = send_frame(str(sock), local_wire.pack_request(wire.STATUS, {}, {}), timeout=30)
