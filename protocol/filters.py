@@ -26,7 +26,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -313,7 +313,7 @@ FUSED_MIN_UNITS = CHARGE_BLOCK
 _LARGEST = float(np.finfo(np.float64).max)
 
 
-def _fused_kernel() -> Callable[..., tuple[Any, ...]] | None:
+def _fused_kernel() -> Callable[..., ChargeParts] | None:
     """The compiled charge, or None: numba is not installed, or ``FEDFILTER_FUSED_CHARGE=0``."""
     if os.environ.get("FEDFILTER_FUSED_CHARGE", "1") == "0":
         return None
@@ -324,6 +324,15 @@ def _fused_kernel() -> Callable[..., tuple[Any, ...]] | None:
     return fused_charge
 
 
+# What both charge paths return: new spent, admitted, refused, stopped, a norm < 0, a cost not finite.
+ChargeParts = tuple[NDArray[np.float64], NDArray[np.bool_], NDArray[np.bool_], NDArray[np.bool_], bool, bool]
+
+
+def charge_outputs(n: int) -> tuple[NDArray[np.float64], NDArray[np.bool_], NDArray[np.bool_], NDArray[np.bool_]]:
+    """The arrays a charge of ``n`` units fills: new spent, admitted, refused, stopped."""
+    return np.empty(n), np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.bool_)
+
+
 def _blocked_charge(
     norms: NDArray[np.float64],
     spent: NDArray[np.float64],
@@ -332,13 +341,10 @@ def _blocked_charge(
     sigma: float,
     threshold: float,
     low: float,
-) -> tuple[NDArray[np.float64], NDArray[np.bool_], NDArray[np.bool_], NDArray[np.bool_], bool, bool]:
-    """The charge in numpy, block by block: (new spent, admitted, refused, stopped, a norm < 0, a cost not finite)."""
+) -> ChargeParts:
+    """The charge in numpy, block by block (:data:`ChargeParts`)."""
     n = norms.size
-    new_spent = np.empty(n, dtype=np.float64)
-    admitted = np.empty(n, dtype=np.bool_)
-    refused = np.empty(n, dtype=np.bool_)
-    stopped = np.empty(n, dtype=np.bool_)
+    new_spent, admitted, refused, stopped = charge_outputs(n)
     block = min(n, CHARGE_BLOCK)
     wants = np.empty(block, dtype=np.bool_)
     increments = np.empty(block, dtype=np.float64)

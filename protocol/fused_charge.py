@@ -30,6 +30,8 @@ import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from protocol.filters import ChargeParts, charge_outputs
+
 _LARGEST = float(np.finfo(np.float64).max)
 
 
@@ -89,13 +91,9 @@ def fused_charge(
     sigma: float,
     threshold: float,
     low: float,
-) -> tuple[NDArray[np.float64], NDArray[np.bool_], NDArray[np.bool_], NDArray[np.bool_], bool, bool]:
-    """(new spent, admitted, refused, stopped, some norm < 0, some cost NaN or infinite) in one pass."""
-    n = norms.size
-    new_spent = np.empty(n, dtype=np.float64)
-    admitted = np.empty(n, dtype=np.bool_)
-    refused = np.empty(n, dtype=np.bool_)
-    stopped = np.empty(n, dtype=np.bool_)
+) -> ChargeParts:
+    """The charge in one compiled pass (:data:`protocol.filters.ChargeParts`)."""
+    new_spent, admitted, refused, stopped = charge_outputs(norms.size)
     negative, not_finite = _kernel(
         np.ascontiguousarray(norms, dtype=np.float64),
         np.ascontiguousarray(spent, dtype=np.float64),
