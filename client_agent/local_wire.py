@@ -126,6 +126,8 @@ def _unpack(frame: bytes | bytearray) -> tuple[dict[str, Any], dict[str, NDArray
         raise FrameError(f"frame: expected a {HEADER!r} member, found none") from exc
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise FrameError(f"frame: expected a JSON header, found: {type(exc).__name__}") from exc
+    except Exception as exc:  # numpy's header parser raises TokenError, SyntaxError, NotImplementedError
+        raise FrameError(f"frame: expected a stored .npz archive, found: {type(exc).__name__}") from exc
     if not isinstance(header, dict):
         raise FrameError(f"frame: expected a JSON object as header, found {type(header).__name__}")
     return header, members

@@ -183,18 +183,25 @@ class ReplyPacer:
 
     @staticmethod
     def key(federation: str, message_type: str) -> str:
-        return json.dumps([federation, message_type])
+        """Known message types only: any other string (the coordinator's) is "?", so a coordinator cannot
+        grow the marks file (and the save's time) with made-up types."""
+        return json.dumps([federation, message_type if message_type in wire.MESSAGE_TYPES else "?"])
 
     def hold(self, key: str, started: float) -> float:
-        """Wait until the key's deadline (measured from ``started``, time.monotonic); the seconds waited."""
+        """Wait until the key's deadline (measured from ``started``, time.monotonic); the seconds waited.
+
+        The deadline is fixed before the marks are saved and the save runs inside the wait: a save
+        after it (or before a wait computed from the clock) made a reply whose natural time set a new
+        mark leave later than the deadline, telling that it was slower than every earlier one."""
         elapsed = time.monotonic() - started
         mark = self.marks.get(key, 0.0)
-        wait = mark * (1.0 + self.margin) - elapsed
+        deadline = started + mark * (1.0 + self.margin)
         cold = key not in self.warm
         self.warm.add(key)
         if elapsed > mark and not cold:
             self.marks[key] = elapsed
             self._save()
+        wait = deadline - time.monotonic()
         if wait > 0:
             time.sleep(wait)
             return wait
@@ -204,9 +211,15 @@ class ReplyPacer:
         if self.path is None:
             return
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with contextlib.suppress(OSError):  # pacing is kept in memory either way
-            tmp.write_text(json.dumps(self.marks, sort_keys=True))
+        try:  # owner-only, fsynced, then renamed: a power loss leaves the old marks or the new ones
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(json.dumps(self.marks, sort_keys=True))
+                out.flush()
+                os.fsync(out.fileno())
             os.replace(tmp, self.path)
+        except OSError as exc:  # pacing goes on from memory; the owner is told
+            LOG.warning("reply pacing: could not save the marks to %s: %s", self.path, exc)
 
 
 def pacing_path(config: AgentConfig) -> Path:
@@ -250,6 +263,19 @@ class AgentService:
         if self.pacer is not None:
             self.pacer.hold(ReplyPacer.key(fed, message_type), started)
         return reply
+
+    def paced(
+        self, frame: bytes | bytearray | None, unread: Exception | None = None, federation: str | None = None
+    ) -> bytes:
+        """:meth:`handle`, with any exception it lets out held to the pace as well and answered as internal."""
+        started = time.monotonic()
+        try:
+            return self.handle(frame, unread, federation)
+        except Exception as exc:
+            failed = refusal(wire.ERR_INTERNAL, "?", {}, exc)
+            if self.pacer is not None:
+                self.pacer.hold(ReplyPacer.key(federation or self.config.served[0].name, "?"), started)
+            return local_wire.pack_reply(failed.error_code, failed.error_reason, None, None)
 
     def _answer(
         self, message_type: str, req_config: dict[str, Any], arrays: dict[str, Any], federation: str
@@ -399,7 +425,7 @@ class _Listener:
                 reason: Exception | None = None
             except local_wire.FrameError as exc:  # too large, a bad prefix or a short frame
                 frame, reason = None, exc
-            reply = self.service.worker.submit(self.service.handle, frame, reason, endpoint.federation).result()
+            reply = self.service.worker.submit(self.service.paced, frame, reason, endpoint.federation).result()
             with contextlib.suppress(OSError):  # the caller gave up: the charge stands, a retry gets this reply
                 local_wire.send(conn, reply, deadline=time.monotonic() + READ_TIMEOUT_S)
         except OSError as exc:

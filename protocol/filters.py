@@ -319,7 +319,7 @@ def _fused_kernel() -> Callable[..., ChargeParts] | None:
         return None
     try:
         from protocol.fused_charge import fused_charge
-    except ImportError:
+    except Exception:  # not installed, or llvmlite cannot load here: numpy's path, the same results
         return None
     return fused_charge
 

@@ -46,7 +46,9 @@ ISOLATION_ENV = "FEDFILTER_CLIENTAPP_ISOLATION"
 # whole namespace is killed (a bundle's handler could ignore the signal and never return).
 GRACE_S = 10.0
 EX_CONFIG = 78  # sysexits.h: a configuration error
-UNSHARE = ("--user", "--map-current-user", "--pid", "--fork", "--kill-child")
+# A mount namespace with its own /proc: with the host's /proc a bundle read the agent worker's CPU time
+# (/proc/<pid>/task/<tid>/schedstat, readable by any uid), which reply pacing does not hide (privacy.md §8).
+UNSHARE = ("--user", "--map-current-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc")
 # What the ClientApp keeps of the SuperNode's environment (Flower's own variables are kept too).
 KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "SSL_CERT_FILE", "SSL_CERT_DIR")
 RUN_FLOWER = (

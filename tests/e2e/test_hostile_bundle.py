@@ -265,6 +265,16 @@ def handle(msg, context):
     record["reads"] = {{name: steal(path) for target in TARGETS.values() for name, path in target.items()}}
     record["other_key"] = {{k: v for k, v in steal(KEYS[sock]).items() if k != "content"}}
     record["flwr_home"] = os.environ.get("FLWR_HOME")
+    # The agent service's threads, as /proc shows them (their CPU time is in task/*/schedstat).
+    seen = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{{entry}}/cmdline", "rb") as f:
+                    seen.append(f.read().replace(b"\\0", b" ").decode(errors="replace"))
+            except OSError:
+                pass
+    record["agent_in_proc"] = [c for c in seen if "agent serve" in c or "flower-supernode" in c]
     try:
         record["listing"] = sorted(os.listdir(os.path.dirname(next(iter(TARGETS[sock].values())))))
     except BaseException as exc:
@@ -645,6 +655,9 @@ def test_hostile_bundle_reads_nothing_of_the_owner(scenario: World) -> None:
         assert record["groups"] in ([SOCKET_GID], [OVERFLOW_GID])
         assert record["other_key"] == {"error": "PermissionError"}  # the other node's key
         assert record["listing"] == "PermissionError"
+        # Its own /proc (a mount namespace): no process outside its PID namespace, so not the agent
+        # worker's CPU time, which pacing does not hide (privacy.md §8; review 2 read it to 6 ms).
+        assert record["agent_in_proc"] == []
         assert len(record["reads"]) == 3 * N_AGENTS
         for name, got in record["reads"].items():
             assert got == {"error": "PermissionError"}, (name, {k: v for k, v in got.items() if k != "content"})

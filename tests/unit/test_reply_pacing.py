@@ -110,3 +110,30 @@ def test_pacing_is_on_by_default_except_in_central_trust(tmp_path: Path) -> None
     for bad in (-0.1, "fast", True, float("inf")):
         with pytest.raises(AgentConfigError, match='reply-pacing-margin: expected a number >= 0 or "off"'):
             margin(**{"reply-pacing-margin": bad})
+
+
+def test_a_made_up_message_type_shares_one_key(clock: FakeClock) -> None:
+    """Review 2: any string became a key kept for good (120 requests of 20 kB types: a 1.2 MB marks file)."""
+    assert ReplyPacer.key("alpha", "x" * 20_000) == ReplyPacer.key("alpha", "other") == '["alpha", "?"]'
+    assert ReplyPacer.key("alpha", "train.gradient") == '["alpha", "train.gradient"]'
+
+
+def test_a_reply_that_raises_the_mark_still_leaves_at_the_deadline(
+    clock: FakeClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 2: the marks were saved after the wait was computed, so a reply that set a new mark left
+    late by the save's time (9-15 ms): "this one was slower than all before". The save now runs inside it."""
+    pacer = ReplyPacer(0.25, tmp_path / "marks.json")
+    key = ReplyPacer.key("alpha", "train.gradient")
+    answer(pacer, clock, key, 1.0)  # cold
+    answer(pacer, clock, key, 1.0)  # the mark: 1.0
+    real_save = pacer._save
+
+    def slow_save() -> None:
+        clock.now += 0.05  # a save that takes 50 ms
+        real_save()
+
+    monkeypatch.setattr(pacer, "_save", slow_save)
+    assert answer(pacer, clock, key, 1.1) == pytest.approx(1.25)  # sets the mark 1.1, leaves at the deadline
+    assert answer(pacer, clock, key, 0.9) == pytest.approx(1.1 * 1.25)
+    assert oct((tmp_path / "marks.json").stat().st_mode & 0o777) == oct(0o600)
