@@ -13,6 +13,9 @@
                               server averages the updates;
                   fedfilter = the same local training through the agents (client units, central
                               trust): each update clipped, charged and committed, noise at the coordinator.
+    Both run on the same engine: Flower's in-memory LinkState with a per-node index of undelivered
+    messages (simulations/linkstate.py; what ``fedfilter simulate`` runs), or Flower's stock one with
+    ``--stock-link-state``, whose delivery loop scans every message for every node (quadratic).
     Both run ``--rounds`` rounds after one warm-up round; a round's time is measured inside the
     ServerApp (send to the last reply and the model update), so Ray's start-up is left out. Also
     printed: the peak resident memory of the whole simulation (this process and its Ray
@@ -57,6 +60,7 @@ from coordinator.config import CoordinatorConfig
 from simulations.datasets.synthetic import synthetic_classification
 from simulations.engine import backend_config, run_flower
 from simulations.federation import write_clients
+from simulations.linkstate import indexed_link_state
 from workloads.models import build_model, flatten_parameters, load_flat_parameters
 
 MODEL_ARGS = {"in_features": 20, "n_classes": 2}
@@ -64,7 +68,7 @@ RECORDS = 100
 LOCAL_STEPS, LOCAL_LR, LOCAL_BATCH = 5, 0.5, 16
 
 
-def federation(clients: int, root: Path, unit: str) -> tuple[dict[int, dict[str, Any]], list[Path]]:
+def federation(clients: int, root: Path, unit: str) -> tuple[dict[int, dict[str, Any]], Path]:
     x, y = synthetic_classification(clients * RECORDS, 20, 2, seed=0, separation=2.5)
     x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
     parts = [(x[i * RECORDS : (i + 1) * RECORDS], y[i * RECORDS : (i + 1) * RECORDS]) for i in range(clients)]
@@ -80,7 +84,8 @@ def federation(clients: int, root: Path, unit: str) -> tuple[dict[int, dict[str,
         noise_seed=0,
         policy_max_request_share=1.0,
     )
-    return per, [Path(per[i]["data-path"]) for i in range(clients)]
+    assert all(Path(per[i]["data-path"]) == (root / "clients" / f"data{i}.npz").resolve() for i in range(clients))
+    return per, (root / "clients").resolve()
 
 
 def ledger_size(folder: Path) -> int:
@@ -136,23 +141,25 @@ def peak_rss() -> Iterator[list[int]]:
         thread.join()
 
 
-def plain_round_times(data_files: list[Path], rounds: int, unit: str) -> list[float]:
+def plain_round_times(data_dir: Path, clients: int, rounds: int, unit: str, indexed: bool) -> list[float]:
     """Plain Flower: FedSGD (record units' baseline) or FedAvg with local SGD (client units'); no clipping,
-    no filter, no ledger, no noise."""
+    no filter, no ledger, no noise. Client ``i`` reads ``data_dir/data{i}.npz`` (as Flower's examples load a
+    partition by its id: the app holds no per-client list, which Flower's Ray backend would pickle with
+    every message)."""
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
     times: list[float] = []
-    n_total = RECORDS * len(data_files)
+    n_total = RECORDS * clients
     server, client = ServerApp(), ClientApp()
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
         model = build_model("logreg", **MODEL_ARGS)
         params = flatten_parameters(model)
-        while len(grid.get_node_ids()) < len(data_files):
+        while len(grid.get_node_ids()) < clients:
             time.sleep(0.05)
         nodes = sorted(grid.get_node_ids())
         for r in range(rounds + 1):
@@ -173,7 +180,7 @@ def plain_round_times(data_files: list[Path], rounds: int, unit: str) -> list[fl
     @client.train("gradient")
     def train(msg: Message, context: Context) -> Message:
         pid = int(context.node_config["partition-id"])
-        with np.load(data_files[pid]) as data:
+        with np.load(data_dir / f"data{pid}.npz") as data:
             x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"].astype(np.int64))
         model = build_model("logreg", **MODEL_ARGS)
         start = msg.content.array_records["a"]["p"].numpy()
@@ -191,16 +198,19 @@ def plain_round_times(data_files: list[Path], rounds: int, unit: str) -> list[fl
             g = flatten_parameters(model) - start
         return Message(RecordDict({"a": ArrayRecord({"g": Array(g)})}), reply_to=msg)
 
-    run_simulation(
-        server_app=server,
-        client_app=client,
-        num_supernodes=len(data_files),
-        backend_config=backend_config(),  # type: ignore[arg-type]
-    )
+    with indexed_link_state() if indexed else contextlib.nullcontext():
+        run_simulation(
+            server_app=server,
+            client_app=client,
+            num_supernodes=clients,
+            backend_config=backend_config(),  # type: ignore[arg-type]
+        )
     return times
 
 
-def fedfilter_round_times(per: dict[int, dict[str, Any]], rounds: int, out: Path, unit: str) -> list[float]:
+def fedfilter_round_times(
+    per: dict[int, dict[str, Any]], rounds: int, out: Path, unit: str, indexed: bool
+) -> list[float]:
     local = {"local_steps": LOCAL_STEPS, "local_lr": LOCAL_LR, "local_batch_size": LOCAL_BATCH}
     cfg = CoordinatorConfig(
         num_nodes=len(per),
@@ -219,7 +229,7 @@ def fedfilter_round_times(per: dict[int, dict[str, Any]], rounds: int, out: Path
         progress=False,
         **(local if unit == "client" else {}),
     )
-    summary = run_flower(cfg, per)
+    summary = run_flower(cfg, per, indexed_state=indexed)
     assert summary["rounds_completed"] == rounds + 1, summary["stopped_because"]
     return [r["duration_s"] for r in summary["rounds"] if r["round"] >= 2]  # round 1 warms up the actors
 
@@ -258,22 +268,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--records", type=int, default=2000, help="MNIST records for the throughput part")
     parser.add_argument("--no-throughput", action="store_true", help="leave out part (2)")
+    parser.add_argument(
+        "--stock-link-state",
+        action="store_true",
+        help="both apps on Flower's stock in-memory LinkState (its delivery loop is quadratic in the clients)",
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds: expected an integer >= 1, got {args.rounds}")
     torch.set_num_threads(2)
-    print(f"(1) round time on Flower's simulation engine (Ray, {os.cpu_count()} CPUs), {args.rounds} rounds each")
+    state = "stock LinkState" if args.stock_link_state else "LinkState indexed by node, simulations/linkstate.py"
+    print(f"(1) round time on Flower's simulation engine (Ray, {os.cpu_count()} CPUs, {state}), {args.rounds} rounds")
     worst = 0.0
     for unit in args.units:
         print(f"  {unit} units" + (f" (local training: {LOCAL_STEPS} steps)" if unit == "client" else ""))
         for clients in args.clients:
             root = Path(tempfile.mkdtemp(prefix="fedfilter-simbench-"))
             try:
-                per, files = federation(clients, root, unit)
+                per, data_dir = federation(clients, root, unit)
                 with peak_rss() as plain_mem:
-                    plain = plain_round_times(files, args.rounds, unit)
+                    plain = plain_round_times(data_dir, clients, args.rounds, unit, not args.stock_link_state)
                 with peak_rss() as ours_mem:
-                    ours = fedfilter_round_times(per, args.rounds, root / "out", unit)
+                    ours = fedfilter_round_times(per, args.rounds, root / "out", unit, not args.stock_link_state)
                 ledger_bytes = ledger_size(root / "ledgers") / clients
             finally:
                 shutil.rmtree(root, ignore_errors=True)

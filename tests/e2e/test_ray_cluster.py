@@ -30,11 +30,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client_agent.direct import build_client_app, simulation_node_config
 from client_agent.ledger import Ledger
 from coordinator.config import CoordinatorConfig
-from coordinator.server_app import build_server_app
-from simulations.engine import backend_config
+from simulations.engine import backend_config, run_flower
 from simulations.federation import write_clients
 from tests.e2e.common import cannot_run, make_parts
 
@@ -137,8 +135,6 @@ def _observer(out: Path) -> Callable[..., Any]:
 
 
 def test_a_simulation_runs_on_an_existing_two_node_ray_cluster(cluster: str, tmp_path: Path) -> None:
-    from flwr.simulation import run_simulation
-
     per = write_clients(
         tmp_path / "clients",
         make_parts(CLIENTS, RECORDS, seed=3),
@@ -166,16 +162,10 @@ def test_a_simulation_runs_on_an_existing_two_node_ray_cluster(cluster: str, tmp
         noise_seed=0,
         progress=False,
     )
-    results: dict[str, Any] = {}
     config = backend_config(address=cluster)
     assert config["init_args"]["address"] == cluster and "num_cpus" not in config["init_args"]
-    # run_flower with an observing mod added in front: the same ServerApp, ClientApp and backend config
-    run_simulation(
-        server_app=build_server_app(cfg, results),
-        client_app=build_client_app([_observer(seen), simulation_node_config(per)], simulation=True),
-        num_supernodes=CLIENTS,
-        backend_config=config,  # type: ignore[arg-type]
-    )
+    # the product's engine, with an observing mod in front of the one that adds each node's config
+    results = run_flower(cfg, per, address=cluster, mods=[_observer(seen)])
     assert results["rounds_completed"] == ROUNDS, results.get("stopped_because")
 
     nodes = {p.read_text() for p in seen.iterdir()}
