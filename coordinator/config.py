@@ -82,6 +82,11 @@ class CoordinatorConfig:
     # (a run branched from another's prefix; the clients' ledgers must already hold that prefix's spends).
     initial_checkpoint: str = ""
     output_dir: str = ""  # rounds.jsonl, summary.json, checkpoints/ (empty: keep in memory only)
+    # Stop and go on (coordinator/resume.py, seeded simulations only): every k rounds save checkpoints/snapshot.npz
+    # (the model, the selection's state, the noise generator's state, the rounds so far); `resume` names one
+    # to go on from, with the same clients' ledgers (their answers after the snapshot are replayed).
+    snapshot_every: int = 0
+    resume: str = ""
     progress: bool = True
     # Central-trust noise and the SVT's noise come from OS entropy. A fixed seed makes them
     # reproducible by anyone who knows it, which undoes the privacy: simulations and tests only.
@@ -115,6 +120,7 @@ class CoordinatorConfig:
             "plateau_start",
             "eval_every",
             "checkpoint_every",
+            "snapshot_every",
             "seed",
         ):
             _int_at_least(name, getattr(self, name), 0)
@@ -212,7 +218,31 @@ class CoordinatorConfig:
             raise CoordinatorConfigError("initial_checkpoint: a saved model starts the gradient task (no local steps)")
         if self.checkpoint_every and not self.output_dir:
             raise CoordinatorConfigError("checkpoint_every: checkpoints need output_dir")
+        self._check_resume()
         self._check_local_training()
+
+    def _check_resume(self) -> None:
+        """snapshot_every and resume: a seeded gradient run (no local steps, monitor or secagg) with output_dir."""
+        if not isinstance(self.resume, str):
+            raise CoordinatorConfigError(f"resume: expected a snapshot's file path, got {self.resume!r}")
+        for name in ("snapshot_every", "resume"):
+            if not getattr(self, name):
+                continue
+            if self.noise_seed is None:
+                raise CoordinatorConfigError(
+                    f"{name}: a snapshot holds the noise generator's state, which lets its reader compute the run's "
+                    "noise; only a simulation with noise_seed (whose noise the seed already fixes) may write one"
+                )
+            if self.task != "gradient" or self.local_steps or self.monitor != "none" or self.trust == "secagg":
+                raise CoordinatorConfigError(
+                    f"{name}: expected the gradient task without local steps, monitor or secure aggregation; "
+                    f"got task {self.task!r}, local_steps {self.local_steps}, monitor {self.monitor!r}, "
+                    f"trust {self.trust!r}"
+                )
+            if not self.output_dir:
+                raise CoordinatorConfigError(f"{name}: snapshots need output_dir")
+        if self.resume and self.initial_checkpoint:
+            raise CoordinatorConfigError("resume: a resumed run starts from its snapshot, not from initial_checkpoint")
 
     def _check_local_training(self) -> None:
         """local_steps > 0: gradient task, client units, local_lr > 0 and local_batch_size >= 1; else none set."""

@@ -103,11 +103,13 @@ def _short(value: Any) -> str:
 class RunWriter:
     """``rounds.jsonl`` (appended and flushed each round) and ``summary.json`` under ``output_dir``."""
 
-    def __init__(self, output_dir: str) -> None:
+    def __init__(self, output_dir: str, lines: list[dict[str, Any]] | None = None) -> None:
+        """A new ``rounds.jsonl`` holding ``lines`` (a resumed run's rounds so far), or empty."""
         self.dir = Path(output_dir) if output_dir else None
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "rounds.jsonl").write_text("")
+            text = "".join(json.dumps(line, sort_keys=True, default=_json_default) + "\n" for line in lines or [])
+            (self.dir / "rounds.jsonl").write_text(text)
 
     def round(self, line: dict[str, Any]) -> None:
         if self.dir is None:

@@ -34,8 +34,9 @@ from coordinator.enrolment import Enrolment, enrol
 from coordinator.monitor import Monitor, SvtMonitor, Verdict, build_monitor, svt_reliability
 from coordinator.release import PlainRelease, Released, ReleaseStep
 from coordinator.report import Progress, RoundLog, RunWriter, load_checkpoint
+from coordinator.resume import load_snapshot, save_snapshot
 from coordinator.secagg import SecaggRelease
-from coordinator.tasks import TASKS, Evaluate, RoundContext
+from coordinator.tasks import TASKS, Evaluate, GradientTask, RoundContext
 from coordinator.transport import Transport
 
 __all__ = ["noise_rng", "run"]
@@ -60,8 +61,12 @@ def run(
     started = time.monotonic()
     rng = noise_rng(cfg)
     task = TASKS[cfg.task].build(cfg, analyst=analyst, evaluate=evaluate)  # first: a bad model fails before enrolment
+    snapshot = load_snapshot(cfg.resume, run_id=cfg.run_id, rounds=cfg.rounds) if cfg.resume else None
+    if snapshot is not None:
+        assert isinstance(task, GradientTask)  # config: resume takes the gradient task
+        task.restore(snapshot.task_state, snapshot.task_arrays)
     enrolment = enrol(transport, cfg)  # before any output is written: a refused run leaves no partial files
-    writer = RunWriter(cfg.output_dir)
+    writer = RunWriter(cfg.output_dir, None if snapshot is None else snapshot.logs)
     release: ReleaseStep = (
         PlainRelease(transport, cfg, enrolment.nodes, rng)
         if enrolment.secagg is None
@@ -88,6 +93,10 @@ def run(
     stopped_because = "max_rounds"
     # A run started from a saved model goes on after the checkpoint's round (the task loaded its parameters).
     first = load_checkpoint(cfg.initial_checkpoint)[0] + 1 if cfg.initial_checkpoint else 1
+    if snapshot is not None:
+        # The noise goes on where it stopped: a round the clients replay gets the noise it had (resume.py).
+        rng.bit_generator.state = snapshot.rng_state
+        logs, errors_total, first = snapshot.round_logs(), Counter(snapshot.errors_total), snapshot.round + 1
     for rnd in range(first, cfg.rounds + 1):
         t0 = time.monotonic()
         ask = task.configure(rnd)
@@ -104,6 +113,11 @@ def run(
         writer.round(asdict(ctx.log))
         progress.update(rnd, _progress_fields(verdict, ctx))
         stop = "monitor" if verdict is not None and verdict.below else task.stop_reason()
+        if cfg.snapshot_every and rnd % cfg.snapshot_every == 0 and stop is None and rnd < cfg.rounds:
+            assert isinstance(task, GradientTask)  # config: snapshots take the gradient task
+            save_snapshot(
+                cfg.output_dir, rnd=rnd, run_id=cfg.run_id, rng=rng, logs=logs, errors_total=errors_total, task=task
+            )
         if stop is not None:
             stopped_because = stop
             break

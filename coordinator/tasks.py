@@ -390,6 +390,47 @@ class GradientTask:
         stale = self.cfg.plateau_every and self.plateau_stale >= self.cfg.plateau_patience
         return "plateau" if stale else None
 
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """What a resumed run needs of this task (coordinator/resume.py): the model, the selection's state and
+        the last metrics; all of it computed from released sums and the server's own data."""
+        state = {
+            "plateau_best": None if self.plateau_best == -math.inf else self.plateau_best,
+            "plateau_stale": self.plateau_stale,
+            "first_check": None if self.first_check is None else list(self.first_check),
+            "checks": self.checks,
+            "metrics": self.metrics,
+            "checkpoint": self.checkpoint,
+            "selected_round": None if self.selected is None else self.selected[0],
+        }
+        arrays = {"parameters": self.parameters}
+        if self.selected is not None:
+            arrays["selected_parameters"] = self.selected[1]
+        return state, arrays
+
+    def restore(self, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """The state :meth:`snapshot` saved; the model must have this run's size and type."""
+        from coordinator.config import CoordinatorConfigError
+
+        for name in ("parameters", *(("selected_parameters",) if state["selected_round"] is not None else ())):
+            found = arrays.get(name)
+            if found is None or found.shape != self.parameters.shape or found.dtype != self.parameters.dtype:
+                shape = None if found is None else (found.shape, str(found.dtype))
+                raise CoordinatorConfigError(
+                    f"resume: expected {name} of shape {self.parameters.shape} and type {self.parameters.dtype}, "
+                    f"found {shape}"
+                )
+        self.parameters = np.array(arrays["parameters"])
+        best = state["plateau_best"]
+        self.plateau_best = -math.inf if best is None else float(best)
+        self.plateau_stale = int(state["plateau_stale"])
+        first = state["first_check"]
+        self.first_check = None if first is None else (float(first[0]), float(first[1]))
+        self.checks = list(state["checks"])
+        self.metrics = dict(state["metrics"])
+        self.checkpoint = state["checkpoint"]
+        rnd = state["selected_round"]
+        self.selected = None if rnd is None else (int(rnd), np.array(arrays["selected_parameters"]))
+
     def summarise(self, logs: list[RoundLog], writer: RunWriter, enrolment: Enrolment) -> dict[str, Any]:
         """The final metrics (evaluated now unless the last round was) and the last checkpoint."""
         if logs:

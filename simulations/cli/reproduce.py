@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import time
 import traceback
@@ -18,6 +19,7 @@ from simulations.reproductions.fz_sec51 import (
     EPSILONS,
     METHODS,
     REGIMES,
+    SNAPSHOT,
     Job,
     append_result,
     append_results,
@@ -141,12 +143,20 @@ def run_campaign(args: argparse.Namespace) -> int:
             log.info("fz-mnist campaign: %s failed twice (%s); stopping", job.key, failures_path)
             return CAMPAIGN_STUCK
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        out = args.out / "campaign" / f"{job.key.replace('/', '_').replace(',', '_')}-{stamp}"
+        prefix = job.key.replace("/", "_").replace(",", "_")
+        earlier = resumable_attempt(args.out / "campaign", prefix)
+        out = earlier if earlier is not None else args.out / "campaign" / f"{prefix}-{stamp}"
         log.info(
-            "fz-mnist campaign: %s -> %s (engine %s, %d torch threads)", job.key, out, engine, torch.get_num_threads()
+            "fz-mnist campaign: %s -> %s (engine %s, %d torch threads)%s",
+            job.key,
+            out,
+            engine,
+            torch.get_num_threads(),
+            "" if earlier is None else ", going on from its snapshot",
         )
         try:
-            new = run_job(job, out=out, data_dir=args.data_dir, engine=engine, rows=rows)
+            resume = None if earlier is None else earlier / SNAPSHOT
+            new = run_job(job, out=out, data_dir=args.data_dir, engine=engine, rows=rows, resume=resume)
         except Exception as exc:  # recorded, then tried once more by the next call
             log.info("fz-mnist campaign: %s failed: %s\n%s", job.key, exc, traceback.format_exc())
             _record_failure(failures_path, job, exc)
@@ -162,6 +172,16 @@ def run_campaign(args: argparse.Namespace) -> int:
             commit_results(args.results, f"fz-mnist campaign: {line}")
         if args.once:
             return 0
+
+
+_STAMP = re.compile(r"\d{8}-\d{6}")  # a campaign folder's time stamp, YYYYmmdd-HHMMSS (UTC)
+
+
+def resumable_attempt(campaign: Path, prefix: str) -> Path | None:
+    """The newest earlier attempt ``<prefix>-<stamp>`` of a job that left a snapshot (its process stopped mid-run)."""
+    stamped = (p for p in campaign.glob(f"{prefix}-*") if _STAMP.fullmatch(p.name[len(prefix) + 1 :]))
+    found = sorted(p for p in stamped if (p / SNAPSHOT).is_file())
+    return found[-1] if found else None
 
 
 def _failures(path: Path, job: Job) -> int:

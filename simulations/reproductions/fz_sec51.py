@@ -94,6 +94,10 @@ TUNE_GRID: dict[float, tuple[tuple[int, float], ...]] = {
 TRIAL_SEEDS = (0, 1, 2)
 # A branched run's central noise is seeded with seed + this (never a seed of a run from round 1).
 BRANCH_NOISE_SEED_OFFSET = 1000
+# Every campaign run saves a snapshot this often (coordinator/resume.py): a run stopped with its process (a
+# session's end) goes on from its last one, with its own ledgers, instead of from round 1.
+SNAPSHOT_EVERY = 10
+SNAPSHOT = Path("checkpoints") / "snapshot.npz"
 # The prefix check: suboptimal at epsilon 0.3, T0 = 20 (GD: floor(20 / 1.5^2) = 8 steps) on 6,000 records.
 PREFIX_CHECK_RECORDS = 6000
 
@@ -243,6 +247,7 @@ class Federation:
     wall_s: float
     train_records: int
     evaluate: Callable[[np.ndarray], dict[str, float]] | None = None
+    resumed_at: int | None = None  # the snapshot's round when this process went on from one
 
 
 @dataclass(frozen=True)
@@ -328,6 +333,7 @@ def run_federation(
     select_from: int | None = None,
     checkpoint_every: int = 0,
     branch: Branch | None = None,
+    resume: Path | None = None,
 ) -> Federation:
     """One federation of ``c`` over ``parts`` (model, noise and partition from ``seed``), evaluated on (eval_x, eval_y).
 
@@ -339,12 +345,16 @@ def run_federation(
     ``branch``: start from another run's model at one of its rounds, the clients' ledgers first charged
     with that run's releases up to there (:func:`seed_branch_ledgers`); the noise from here on is seeded
     apart from the source run's (``seed + BRANCH_NOISE_SEED_OFFSET``).
+
+    Every run saves a snapshot every ``SNAPSHOT_EVERY`` rounds. ``resume``: an earlier attempt's snapshot in
+    ``out``; the run goes on from it with that attempt's ledgers (a branch's are already seeded), its noise
+    where it stopped (coordinator/resume.py).
     """
     from coordinator.evaluation import model_evaluator  # torch: imported when a trial runs, not by the CLI's parser
     from simulations.engine import run_engine
 
     ledgers = out / "ledgers"
-    if ledgers.exists() and any(ledgers.iterdir()):
+    if resume is None and ledgers.exists() and any(ledgers.iterdir()):
         raise SimulationError(f"--out: {ledgers} already holds ledgers from an earlier trial; choose a new folder")
     n_train = sum(len(p[0]) for p in parts)
     per = write_clients(
@@ -362,10 +372,16 @@ def run_federation(
             c.filter, epsilon=c.epsilon, delta=DELTA, noise_std=c.noise_std, clip=c.clip
         ),
     )
-    resume: dict[str, Any] = {"noise_seed": seed}
+    start: dict[str, Any] = {"noise_seed": seed}
     if branch is not None:
-        seed_branch_ledgers(branch.ledgers, per, through_round=branch.round)
-        resume = {"noise_seed": seed + BRANCH_NOISE_SEED_OFFSET, "initial_checkpoint": str(branch.checkpoint)}
+        if resume is None:
+            seed_branch_ledgers(branch.ledgers, per, through_round=branch.round)
+        start = {"noise_seed": seed + BRANCH_NOISE_SEED_OFFSET, "initial_checkpoint": str(branch.checkpoint)}
+    resumed_at = None
+    if resume is not None:
+        start = {"noise_seed": start["noise_seed"], "resume": str(resume)}
+        with np.load(resume, allow_pickle=False) as saved:
+            resumed_at = int(json.loads(str(saved["meta"]))["round"])
     selection = {} if select_from is None else selection_keys(c, select_from)
     cfg = CoordinatorConfig(
         num_nodes=CLIENTS,
@@ -383,13 +399,14 @@ def run_federation(
         checkpoint_every=checkpoint_every,
         output_dir=str(out),
         round_timeout=3600.0,
-        **resume,
+        snapshot_every=SNAPSHOT_EVERY,
+        **start,
         **selection,
     )
     evaluate = model_evaluator(cfg, eval_x, eval_y)
     started = time.monotonic()
     summary = run_engine(engine, cfg, per, evaluate=evaluate)
-    return Federation(summary, per, round(time.monotonic() - started, 1), n_train, evaluate)
+    return Federation(summary, per, round(time.monotonic() - started, 1), n_train, evaluate, resumed_at)
 
 
 def selection_keys(c: Cell, select_from: int) -> dict[str, Any]:
@@ -633,8 +650,9 @@ def run_job(
     train_limit: int | None = None,
     test_limit: int | None = None,
     rows: list[dict[str, Any]] | None = None,
+    resume: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Run ``job`` in the folder ``out`` (new); its rows, ready to append.
+    """Run ``job`` in the folder ``out`` (new, or an earlier attempt's with ``resume``, its snapshot); its rows.
 
     A 'gdp' job branches from its cell's finished gd+renyi run among ``rows`` (the results so far) at
     GD's last step when that run's folder is still here (:func:`branch_source`), else runs from round 1.
@@ -644,7 +662,8 @@ def run_job(
         limit = PREFIX_CHECK_RECORDS if train_limit is None else train_limit
         return [_stamp(job, prefix_check(job, out=out, data_dir=data_dir, engine=engine, train_limit=limit), out)]
     if job.kind == KIND_TUNE:
-        return [_stamp(job, tune(job, out=out, data_dir=data_dir, engine=engine, train_limit=train_limit), out)]
+        tuned = tune(job, out=out, data_dir=data_dir, engine=engine, train_limit=train_limit, resume=resume)
+        return [_stamp(job, tuned, out)]
     gd = cell(job.epsilon, job.regime, "gd", tuned=job.tuned)
     if gd.steps < 1:
         raise SimulationError(f"{job.key}: GD affords no full-norm step at these settings; nothing to compare")
@@ -665,6 +684,7 @@ def run_job(
         select_from=gd.steps + 1,
         checkpoint_every=every,
         branch=None if source is None else source[0],
+        resume=resume,
     )
     filtered = {**trial_record(c, fed, seed=job.seed, engine=engine), "gd_steps": gd.steps}
     if source is not None:
@@ -720,6 +740,7 @@ def trial_record(c: Cell, fed: Federation, *, seed: int, engine: str) -> dict[st
         "privacy": summary["privacy"]["statement"],
         "engine": engine,
         "wall_s": fed.wall_s,
+        **({} if fed.resumed_at is None else {"resumed_at_round": fed.resumed_at}),
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": _machine(),
     }
@@ -798,7 +819,9 @@ def prefix_check(job: Job, *, out: Path, data_dir: Path | None, engine: str, tra
     }
 
 
-def tune(job: Job, *, out: Path, data_dir: Path | None, engine: str, train_limit: int | None) -> dict[str, Any]:
+def tune(
+    job: Job, *, out: Path, data_dir: Path | None, engine: str, train_limit: int | None, resume: Path | None = None
+) -> dict[str, Any]:
     """Private GD at one grid point on the tuning split; its validation accuracy after the last step.
 
     Tuning's own privacy cost is not accounted (as in FZ): it reads the training records.
@@ -806,7 +829,7 @@ def tune(job: Job, *, out: Path, data_dir: Path | None, engine: str, train_limit
     c = cell(job.epsilon, job.regime, "gd", tuned=job.tuned)
     parts, val_x, val_y = tuning_silos(CLIENTS, data_dir=data_dir, train_limit=train_limit)
     fed = run_federation(
-        c, seed=job.seed, out=out, parts=parts, eval_x=val_x, eval_y=val_y, engine=engine, eval_every=25
+        c, seed=job.seed, out=out, parts=parts, eval_x=val_x, eval_y=val_y, engine=engine, eval_every=25, resume=resume
     )
     validation = _accuracy_by_round(fed.summary)
     return {
@@ -820,6 +843,7 @@ def tune(job: Job, *, out: Path, data_dir: Path | None, engine: str, train_limit
         "privacy": "tuning: not accounted (as in FZ); trained on 50,000 training records, validated on 10,000 others",
         "engine": engine,
         "wall_s": fed.wall_s,
+        **({} if fed.resumed_at is None else {"resumed_at_round": fed.resumed_at}),
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": _machine(),
     }

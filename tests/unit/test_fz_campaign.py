@@ -392,6 +392,73 @@ def test_a_run_resumes_from_a_checkpoint_at_the_next_round(tmp_path: Path) -> No
         )
 
 
+# --- a run stopped with its process goes on from its snapshot -----------------------------------------
+
+
+class _Killed(BaseException):
+    """The campaign's process dies here (a session's end): not an Exception, so nothing records a failure."""
+
+
+@needs_mnist
+def test_a_job_stopped_mid_run_goes_on_from_its_snapshot_to_the_same_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from simulations.inprocess import InProcessTransport
+
+    tuned = Tuned(steps=14, clip=1.0, learning_rate=2.0)  # suboptimal eps 0.3: GD 6 steps, the filtered run 14
+    job = Job(KIND_TRIAL, 0.3, "suboptimal", "gd+renyi", 1, tuned)
+    assert fz.SNAPSHOT_EVERY == 10
+    whole = run_job(job, out=tmp_path / "whole", train_limit=200, test_limit=300)
+
+    real_send = InProcessTransport.send
+
+    def dies_after_round_12(self: InProcessTransport, message_type: str, payloads: Any, *, timeout: float) -> Any:
+        out = real_send(self, message_type, payloads, timeout=timeout)
+        if message_type.endswith("gradient") and {int(c["round"]) for c, _ in payloads.values()} == {12}:
+            raise _Killed  # after the clients answered (and were charged for) round 12; the snapshot is round 10's
+        return out
+
+    out = tmp_path / "attempt"
+    monkeypatch.setattr(InProcessTransport, "send", dies_after_round_12)
+    with pytest.raises(_Killed):
+        run_job(job, out=out, train_limit=200, test_limit=300)
+    monkeypatch.setattr(InProcessTransport, "send", real_send)
+    assert (out / fz.SNAPSHOT).is_file()
+    with pytest.raises(fz.SimulationError, match="already holds ledgers"):  # never silently from round 1 here
+        run_job(job, out=out, train_limit=200, test_limit=300)
+    resumed = run_job(job, out=out, train_limit=200, test_limit=300, resume=out / fz.SNAPSHOT)
+
+    assert resumed[1]["resumed_at_round"] == 10
+    varying = {"wall_s", "finished_utc", "out", "resumed_at_round", "machine"}
+    for got, want in zip(resumed, whole, strict=True):
+        assert {k: v for k, v in got.items() if k not in varying} == {k: v for k, v in want.items() if k not in varying}
+    # every record paid for each release once: the same releases and spend as the uninterrupted run's ledgers
+    for pid in range(fz.CLIENTS):
+        with Ledger.open_existing(out / "ledgers" / f"client{pid}.sqlite") as a:
+            with Ledger.open_existing(tmp_path / "whole" / "ledgers" / f"client{pid}.sqlite") as b:
+                assert [rid for rid, _, _ in a.releases()] == [rid for rid, _, _ in b.releases()]
+                np.testing.assert_array_equal(a.state()["spent"], b.state()["spent"])
+
+
+def test_the_campaign_goes_on_in_the_newest_attempt_of_the_same_job_that_left_a_snapshot(tmp_path: Path) -> None:
+    from simulations.cli.reproduce import resumable_attempt
+
+    campaign = tmp_path / "campaign"
+    prefix = "tune_tuned_eps=1_gd_seed=0_T0=300_C0=1_lr=1"
+    for name in (
+        f"{prefix}-20261125-080000",  # older, with a snapshot
+        f"{prefix}-20261126-080000",  # newer, with a snapshot: this one
+        f"{prefix}-20261126-090000",  # newest, but stopped before its first snapshot
+        "tune_tuned_eps=1_gd_seed=0_T0=300_C0=1_lr=1.5-20261127-080000",  # another job (lr 1.5)
+        f"{prefix}-notes",  # not an attempt
+    ):
+        (campaign / name / "checkpoints").mkdir(parents=True)
+        if not name.endswith("090000"):
+            (campaign / name / fz.SNAPSHOT).write_bytes(b"")
+    assert resumable_attempt(campaign, prefix) == campaign / f"{prefix}-20261126-080000"
+    assert resumable_attempt(campaign, prefix + "_other") is None
+
+
 # --- the report -------------------------------------------------------------------------------------
 
 
@@ -439,7 +506,10 @@ def test_campaign_once_runs_one_job_stops_on_a_second_failure_and_when_done(
     results, out = tmp_path / "r.jsonl", tmp_path / "out"
     ran: list[str] = []
 
-    def fake_run(job: Job, *, out: Path, data_dir: Path | None, engine: str, rows: list[dict[str, Any]]) -> Any:
+    def fake_run(
+        job: Job, *, out: Path, data_dir: Path | None, engine: str, rows: list[dict[str, Any]], resume: Path | None
+    ) -> Any:
+        assert resume is None  # no earlier attempt left a snapshot
         ran.append(job.key)
         if job.kind == KIND_TUNE:
             raise RuntimeError("diverged")
