@@ -34,7 +34,7 @@ from coordinator.enrolment import Enrolment, enrol
 from coordinator.monitor import Monitor, SvtMonitor, Verdict, build_monitor, svt_reliability
 from coordinator.release import PlainRelease, Released, ReleaseStep
 from coordinator.report import Progress, RoundLog, RunWriter, load_checkpoint
-from coordinator.resume import load_snapshot, save_snapshot
+from coordinator.resume import ReleaseGuard, load_snapshot, save_snapshot
 from coordinator.secagg import SecaggRelease
 from coordinator.tasks import TASKS, Evaluate, GradientTask, RoundContext
 from coordinator.transport import Transport
@@ -61,7 +61,7 @@ def run(
     started = time.monotonic()
     rng = noise_rng(cfg)
     task = TASKS[cfg.task].build(cfg, analyst=analyst, evaluate=evaluate)  # first: a bad model fails before enrolment
-    snapshot = load_snapshot(cfg.resume, run_id=cfg.run_id, rounds=cfg.rounds) if cfg.resume else None
+    snapshot = load_snapshot(cfg) if cfg.resume else None
     if snapshot is not None:
         assert isinstance(task, GradientTask)  # config: resume takes the gradient task
         task.restore(snapshot.task_state, snapshot.task_arrays)
@@ -72,6 +72,8 @@ def run(
         if enrolment.secagg is None
         else SecaggRelease(transport, cfg, enrolment.nodes, enrolment.secagg)
     )
+    if cfg.snapshot_every or cfg.resume:  # every release fingerprinted; a resumed one must match (resume.py)
+        release = ReleaseGuard(release, cfg.output_dir, snapshot)
     monitor = build_monitor(cfg, rng)
     reliability: dict[str, Any] = {}
     if isinstance(monitor, SvtMonitor):
@@ -115,9 +117,7 @@ def run(
         stop = "monitor" if verdict is not None and verdict.below else task.stop_reason()
         if cfg.snapshot_every and rnd % cfg.snapshot_every == 0 and stop is None and rnd < cfg.rounds:
             assert isinstance(task, GradientTask)  # config: snapshots take the gradient task
-            save_snapshot(
-                cfg.output_dir, rnd=rnd, run_id=cfg.run_id, rng=rng, logs=logs, errors_total=errors_total, task=task
-            )
+            save_snapshot(cfg, rnd=rnd, rng=rng, logs=logs, errors_total=errors_total, task=task)
         if stop is not None:
             stopped_because = stop
             break

@@ -670,7 +670,13 @@ def run_job(
     method = "renyi" if job.method == "gd+renyi" else job.method
     c = cell(job.epsilon, job.regime, method, tuned=job.tuned)
     every = gd.steps if job.method == "gd+renyi" else 0
-    source = None if job.method == "gd+renyi" else branch_source(job, rows or [])
+    if job.method == "gd+renyi":
+        source = None
+    elif resume is not None:  # what the stopped attempt branched from (its source may be gone since)
+        source = _recorded_branch(out)
+    else:
+        source = branch_source(job, rows or [])
+        _record_branch(out, source)
     parts, test_x, test_y = mnist_silos(CLIENTS, seed=job.seed, data_dir=data_dir, train_limit=train_limit)
     test_x, test_y = test_x[:test_limit], test_y[:test_limit]
     fed = run_federation(
@@ -697,6 +703,35 @@ def run_job(
     if job.method == "gd+renyi":
         rows_out.insert(0, gd_from_prefix(gd, fed, filtered, out=out))
     return [_stamp(job, r, out) for r in rows_out]
+
+
+_BRANCH_FILE = "branch.json"
+
+
+def _record_branch(out: Path, source: tuple[Branch, dict[str, Any]] | None) -> None:
+    """Where a run starts (a branch, or round 1: null), kept in its folder for a resumed attempt."""
+    out.mkdir(parents=True, exist_ok=True)
+    entry = None
+    if source is not None:
+        branch, prefix = source
+        entry = {
+            "checkpoint": str(branch.checkpoint),
+            "ledgers": str(branch.ledgers),
+            "round": branch.round,
+            "accuracy_by_round": {str(r): a for r, a in prefix["accuracy_by_round"].items()},
+        }
+    (out / _BRANCH_FILE).write_text(json.dumps(entry, sort_keys=True) + "\n")
+
+
+def _recorded_branch(out: Path) -> tuple[Branch, dict[str, Any]] | None:
+    path = out / _BRANCH_FILE
+    if not path.is_file():
+        raise SimulationError(f"resume: {path} is missing: where the stopped attempt started is not known")
+    entry = json.loads(path.read_text())
+    if entry is None:
+        return None
+    branch = Branch(Path(entry["checkpoint"]), Path(entry["ledgers"]), int(entry["round"]))
+    return branch, {"accuracy_by_round": entry["accuracy_by_round"]}
 
 
 def branch_source(job: Job, rows: list[dict[str, Any]]) -> tuple[Branch, dict[str, Any]] | None:
@@ -782,6 +817,7 @@ def gd_from_prefix(gd: Cell, fed: Federation, filtered: dict[str, Any], *, out: 
             f"clip {gd.clip:g} and noise std {gd.noise_std:.4g} fit the Rényi filter's threshold"
         ),
         "read_from": f"the {filtered['method']} run's prefix at step {gd.steps} (shared run, shared wall time)",
+        **({"resumed_at_round": filtered["resumed_at_round"]} if "resumed_at_round" in filtered else {}),
         "engine": filtered["engine"],
         "wall_s": filtered["wall_s"],
         "finished_utc": filtered["finished_utc"],

@@ -440,6 +440,20 @@ def test_a_job_stopped_mid_run_goes_on_from_its_snapshot_to_the_same_rows(
                 np.testing.assert_array_equal(a.state()["spent"], b.state()["spent"])
 
 
+def test_a_resumed_branch_keeps_where_its_first_attempt_started(tmp_path: Path) -> None:
+    """A gdp attempt records its branch (or round 1) in its folder; the resumed attempt reads that, not the
+    results and folders of now (the source's folder may be gone, or a source may have appeared since)."""
+    branch = fz.Branch(tmp_path / "src" / "checkpoints" / "round_00004.npz", tmp_path / "src" / "ledgers", 4)
+    fz._record_branch(tmp_path / "a", (branch, {"accuracy_by_round": {1: 0.5, 4: 0.75, 5: 0.8}}))
+    got = fz._recorded_branch(tmp_path / "a")
+    assert got is not None and got[0] == branch
+    assert {int(r): a for r, a in got[1]["accuracy_by_round"].items()} == {1: 0.5, 4: 0.75, 5: 0.8}
+    fz._record_branch(tmp_path / "b", None)
+    assert fz._recorded_branch(tmp_path / "b") is None
+    with pytest.raises(fz.SimulationError, match="where the stopped attempt started is not known"):
+        fz._recorded_branch(tmp_path / "c")
+
+
 def test_the_campaign_goes_on_in_the_newest_attempt_of_the_same_job_that_left_a_snapshot(tmp_path: Path) -> None:
     from simulations.cli.reproduce import resumable_attempt
 

@@ -126,16 +126,13 @@ def test_a_stopped_run_resumed_from_its_snapshot_is_the_uninterrupted_run(tmp_pa
     assert any(np.any(s > 0) for _, s in _spends(per))
 
 
-def test_a_fresh_noise_stream_on_resume_would_be_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The witness: resuming without restoring the generator's state gives round 4's replayed reply other
-    noise, so the run differs from the uninterrupted one (what the first test would then see)."""
-    whole = run(InProcessTransport(_clients(tmp_path / "w")), _config(tmp_path / "whole"))
-    per = _clients(tmp_path / "clients")
-    out = tmp_path / "run"
-    with pytest.raises(Stopped):
-        run(StopsAfter(per, STOP_AFTER), _config(out, snapshot_every=SNAP_EVERY))
+def test_a_fresh_noise_stream_on_resume_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The witness: resuming without restoring the generator's state gives round 4's replayed sum other
+    noise. The release guard refuses it (the stopped process released round 4 with the saved noise), and
+    without the guard the run would differ from the uninterrupted one (what the first test would see)."""
     from coordinator import resume
 
+    whole = run(InProcessTransport(_clients(tmp_path / "w")), _config(tmp_path / "whole"))
     real = resume.load_snapshot
 
     def fresh_noise(*args: Any, **kwargs: Any) -> resume.Snapshot:
@@ -144,8 +141,66 @@ def test_a_fresh_noise_stream_on_resume_would_be_caught(tmp_path: Path, monkeypa
         return resume.Snapshot(**{**snap.__dict__, "rng_state": other})
 
     monkeypatch.setattr("coordinator.rounds.load_snapshot", fresh_noise)
-    resumed = run(InProcessTransport(per), _config(out, resume=str(out / "checkpoints" / "snapshot.npz")))
-    assert not np.array_equal(resumed["parameters"], whole["parameters"])
+    for guarded in (True, False):
+        per = _clients(tmp_path / f"clients-{guarded}")
+        out = tmp_path / f"run-{guarded}"
+        with pytest.raises(Stopped):
+            run(StopsAfter(per, STOP_AFTER), _config(out, snapshot_every=SNAP_EVERY))
+        resumed_cfg = _config(out, resume=str(out / "checkpoints" / "snapshot.npz"))
+        if guarded:
+            with pytest.raises(resume.ResumeDriftError, match="round 4's gradient release differs"):
+                run(InProcessTransport(per), resumed_cfg)
+        else:
+            monkeypatch.setattr(resume.ReleaseGuard, "release", lambda self, ask: self.inner.release(ask))
+            resumed = run(InProcessTransport(per), resumed_cfg)
+            assert not np.array_equal(resumed["parameters"], whole["parameters"])
+
+
+class LosesAReply(StopsAfter):
+    """As StopsAfter, and round ``lost``'s gradient reply from the first node never arrives (the client answered
+    and was charged; the coordinator released the sum without it)."""
+
+    def __init__(self, node_configs: Mapping[int, Mapping[str, Any]], after: int, lost: int) -> None:
+        super().__init__(node_configs, after)
+        self.lost = lost
+
+    def send(self, message_type: str, payloads: Mapping[int, Any], *, timeout: float) -> Any:
+        out = super().send(message_type, payloads, timeout=timeout)
+        rounds = {int(config["round"]) for config, _ in payloads.values()}
+        if message_type.endswith("gradient") and rounds == {self.lost}:
+            del out.replies[min(out.replies)]
+            out.missing += 1
+        return out
+
+
+def test_a_resumed_release_that_differs_from_the_stopped_ones_is_refused_before_use(tmp_path: Path) -> None:
+    """Round 5's sum lacked a client's answer before the stop; after it the client's stored answer is
+    replayed, so the same noise would fall on another sum: the run stops before that release is used."""
+    from coordinator.resume import ResumeDriftError
+
+    per = _clients(tmp_path / "clients")
+    out = tmp_path / "run"
+    with pytest.raises(Stopped):
+        run(LosesAReply(per, STOP_AFTER + 1, lost=STOP_AFTER), _config(out, snapshot_every=SNAP_EVERY))
+    logged = [json.loads(line)["round"] for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5]
+    with pytest.raises(ResumeDriftError, match="round 5's gradient release differs"):
+        run(
+            InProcessTransport(per),
+            _config(out, snapshot_every=SNAP_EVERY, resume=str(out / "checkpoints" / "snapshot.npz")),
+        )
+    # round 4 was made again alike; nothing of round 5's differing release was used or logged
+    assert [json.loads(line)["round"] for line in (out / "rounds.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_run_with_other_settings_may_not_resume_a_snapshot(tmp_path: Path) -> None:
+    per = _clients(tmp_path / "clients")
+    out = tmp_path / "run"
+    with pytest.raises(Stopped):
+        run(StopsAfter(per, STOP_AFTER), _config(out, snapshot_every=SNAP_EVERY))
+    snapshot = str(out / "checkpoints" / "snapshot.npz")
+    with pytest.raises(CoordinatorConfigError, match="made with other settings"):
+        run(InProcessTransport(per), _config(out, learning_rate=0.25, resume=snapshot))
 
 
 @pytest.mark.parametrize(
