@@ -13,8 +13,8 @@ order, as Flower's scan: the expiry and federation check (``_check_stored_messag
 the node, run and not-yet-delivered conditions, then ``delivered_at`` stamped on what it returns. Every
 other method is Flower's. One difference in bookkeeping, not in what is handed out: Flower's scan drops any
 node's expired messages it passes, the index drops a node's own when that node is polled (every node, every
-0.1 s) and the grid's pull drops those it asks about. The swap applies to Flower's own ``run_simulation`` (:func:`indexed_link_state`),
-for fedfilter's runs and for the plain Flower app its benchmark compares with alike.
+0.1 s) and the grid's pull drops those it asks about. The swap applies to Flower's own ``run_simulation``
+(:func:`indexed_link_state`), for fedfilter's runs and for the plain Flower app its benchmark compares with alike.
 
 Nothing here touches what a client computes, charges or releases: the state holds Flower's messages and
 their order of delivery only.

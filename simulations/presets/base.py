@@ -74,6 +74,14 @@ def pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def timeouts(clients: int) -> dict[str, float]:
+    """Enrolment and round timeouts for a simulation of ``clients`` virtual clients: the default 120 s, or
+    0.2 s a client where more (every client answers each query in turn on the simulation's few actors: about
+    40-60 ms a client on 2 cores; at 10,000 clients 120 s enrolled 1,898 and the run refused its n_public)."""
+    limit = max(120.0, 0.2 * clients)
+    return {"enrol_timeout": limit, "round_timeout": limit}
+
+
 def local_training(opts: Options) -> dict[str, Any]:
     """The CoordinatorConfig keys of local training that the command line set (validated there)."""
     keys = ("local_steps", "local_lr", "local_batch_size", "server_lr")

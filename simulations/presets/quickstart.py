@@ -14,7 +14,15 @@ from coordinator.evaluation import model_evaluator
 from coordinator.monitor import svt_reliability
 from simulations.datasets.synthetic import synthetic_classification
 from simulations.errors import SimulationError
-from simulations.presets.base import Options, Plan, client_files, local_training, pick, worst_case_rounds
+from simulations.presets.base import (
+    Options,
+    Plan,
+    client_files,
+    local_training,
+    pick,
+    timeouts,
+    worst_case_rounds,
+)
 
 # The quickstart's SVT monitor in central trust: epsilon_svt and threshold (a tenth of the units).
 MONITOR_EPSILON = 0.1
@@ -141,6 +149,7 @@ def quickstart(opts: Options, out: Path) -> Plan:
         **monitor,
         **selection,
         **local_training(opts),
+        **timeouts(clients),
     )
     test_x, test_y = x[clients * records :], y[clients * records :]
     return Plan(cfg, per, model_evaluator(cfg, test_x, test_y), worst, notes)

@@ -8,7 +8,7 @@ import numpy as np
 
 from coordinator.config import CoordinatorConfig
 from simulations.datasets.scenarios import sparse_counting
-from simulations.presets.base import Options, Plan, client_files, pick, worst_case_rounds
+from simulations.presets.base import Options, Plan, client_files, pick, timeouts, worst_case_rounds
 
 
 def sparse_queries(opts: Options, out: Path) -> Plan:
@@ -46,6 +46,7 @@ def sparse_queries(opts: Options, out: Path) -> Plan:
         run_id=f"sparse-{opts.seed}",
         output_dir=str(out),
         noise_seed=opts.seed,
+        **timeouts(clients),
     )
     truth = np.concatenate([p[0] for p in parts]).sum(axis=0)
     np.save(out / "true_counts.npy", truth)

@@ -10,7 +10,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.evaluation import model_evaluator
 from simulations.errors import SimulationError
 from simulations.federation import request_share
-from simulations.presets.base import Options, Plan, pick, worst_case_rounds
+from simulations.presets.base import Options, Plan, pick, timeouts, worst_case_rounds
 from workloads.registry import WorkloadError, load_workload
 
 
@@ -73,6 +73,7 @@ def workload_demo(opts: Options, out: Path) -> Plan:
         output_dir=str(out),
         noise_seed=opts.seed,
         workload=ref,
+        **timeouts(len(demo.clients)),
     )
     evaluate = model_evaluator(cfg, *demo.test) if demo.test is not None else None
     return Plan(
