@@ -74,7 +74,7 @@ def pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def timeouts(clients: int) -> dict[str, float]:
+def timeouts(clients: int) -> dict[str, Any]:
     """Enrolment and round timeouts for a simulation of ``clients`` virtual clients: the default 120 s, or
     0.2 s a client where more (every client answers each query in turn on the simulation's few actors: about
     40-60 ms a client on 2 cores; at 10,000 clients 120 s enrolled 1,898 and the run refused its n_public)."""
