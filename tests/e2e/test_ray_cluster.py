@@ -182,6 +182,7 @@ def test_a_simulation_runs_on_an_existing_two_node_ray_cluster(cluster: str, tmp
         assert np.all(state["spent"] > 0)
 
 
+@pytest.mark.slow  # the engine's join is the test above's; this adds the CLI's flag (test budget, issue 24)
 def test_simulate_cli_joins_the_cluster(cluster: str, tmp_path: Path) -> None:
     """``fedfilter simulate --ray-address`` (README): the quickstart on the cluster, ledgers in --out."""
     out = tmp_path / "run"

@@ -106,7 +106,9 @@ def test_indicator_sparse_queries_beat_worst_case_fivefold(tmp_path: Path) -> No
         policy_max_request_share=1.0,
     )
     cfg = local_indicator(n_public=N_CLIENTS * 50, rounds=k, analyst="sweep", query_columns=k, run_id="sparse")
-    summary = run_flower(cfg, per)
+    # The accounting claim does not depend on the engine: in process (20 rounds on Flower's engine took ~38 s of
+    # the default run); the indicator task on Flower's engine is the seeded test's below.
+    summary = run_engine("inprocess", cfg, per)
     assert summary["worst_case_queries"] == 4
     assert summary["queries_answered"] == k
     assert summary["queries_answered"] >= 5 * summary["worst_case_queries"]
