@@ -405,28 +405,28 @@ def test_a_job_stopped_mid_run_goes_on_from_its_snapshot_to_the_same_rows(
 ) -> None:
     from simulations.inprocess import InProcessTransport
 
-    tuned = Tuned(steps=14, clip=1.0, learning_rate=2.0)  # suboptimal eps 0.3: GD 6 steps, the filtered run 14
+    tuned = Tuned(steps=12, clip=1.0, learning_rate=2.0)  # suboptimal eps 0.3: GD 5 steps, the filtered run 12
     job = Job(KIND_TRIAL, 0.3, "suboptimal", "gd+renyi", 1, tuned)
     assert fz.SNAPSHOT_EVERY == 10
-    whole = run_job(job, out=tmp_path / "whole", train_limit=200, test_limit=300)
+    whole = run_job(job, out=tmp_path / "whole", train_limit=120, test_limit=100)
 
     real_send = InProcessTransport.send
 
-    def dies_after_round_12(self: InProcessTransport, message_type: str, payloads: Any, *, timeout: float) -> Any:
+    def dies_after_round_11(self: InProcessTransport, message_type: str, payloads: Any, *, timeout: float) -> Any:
         out = real_send(self, message_type, payloads, timeout=timeout)
-        if message_type.endswith("gradient") and {int(c["round"]) for c, _ in payloads.values()} == {12}:
-            raise _Killed  # after the clients answered (and were charged for) round 12; the snapshot is round 10's
+        if message_type.endswith("gradient") and {int(c["round"]) for c, _ in payloads.values()} == {11}:
+            raise _Killed  # after the clients answered (and were charged for) round 11; the snapshot is round 10's
         return out
 
     out = tmp_path / "attempt"
-    monkeypatch.setattr(InProcessTransport, "send", dies_after_round_12)
+    monkeypatch.setattr(InProcessTransport, "send", dies_after_round_11)
     with pytest.raises(_Killed):
-        run_job(job, out=out, train_limit=200, test_limit=300)
+        run_job(job, out=out, train_limit=120, test_limit=100)
     monkeypatch.setattr(InProcessTransport, "send", real_send)
     assert (out / fz.SNAPSHOT).is_file()
     with pytest.raises(fz.SimulationError, match="already holds ledgers"):  # never silently from round 1 here
-        run_job(job, out=out, train_limit=200, test_limit=300)
-    resumed = run_job(job, out=out, train_limit=200, test_limit=300, resume=out / fz.SNAPSHOT)
+        run_job(job, out=out, train_limit=120, test_limit=100)
+    resumed = run_job(job, out=out, train_limit=120, test_limit=100, resume=out / fz.SNAPSHOT)
 
     assert resumed[1]["resumed_at_round"] == 10
     varying = {"wall_s", "finished_utc", "out", "resumed_at_round", "machine"}
