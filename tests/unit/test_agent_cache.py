@@ -277,18 +277,19 @@ def test_an_agent_whose_ledger_another_process_committed_to_keeps_every_commit(
     import sys
 
     cfg = node_config(tmp_path)
-    other = (
-        "import json, sys; from client_agent.direct import answer_request; from protocol import messages as wire;"
-        "from tests import factories; from client_agent.ledger import Ledger; cfg = json.loads(sys.argv[1]);"
-        "i = int(sys.argv[2])\n"
-        "if i: assert not answer_request(cfg, wire.GRADIENT, *wire.encode_request(factories.gradient_request("
+    answer = (  # a request answered by an agent of its own (imports torch: only where a request is answered)
+        "from client_agent.direct import answer_request; from protocol import messages as wire;"
+        "from tests import factories\n"
+        "assert not answer_request(cfg, wire.GRADIENT, *wire.encode_request(factories.gradient_request("
         "f'r{i}', round=i, noise_std=4.0)), cache=None, simulation=True).is_error\n"
-        "with Ledger.open_existing(cfg['ledger-path']) as ledger: print(ledger.requests_answered())"
     )
+    count = "with Ledger.open_existing(cfg['ledger-path']) as ledger: print(ledger.requests_answered())"
 
     def in_another_process(i: int) -> int:
+        script = "import json, sys; from client_agent.ledger import Ledger; cfg = json.loads(sys.argv[1]); "
+        script += f"i = int(sys.argv[2])\n{answer if i else ''}{count}"
         run = subprocess.run(
-            [sys.executable, "-c", other, json.dumps(cfg), str(i)], capture_output=True, text=True, check=True
+            [sys.executable, "-c", script, json.dumps(cfg), str(i)], capture_output=True, text=True, check=True
         )
         return int(run.stdout.split()[-1])
 
