@@ -70,8 +70,12 @@ def ledger_states(per: dict[int, dict[str, object]]) -> list[dict[str, np.ndarra
     return out
 
 
-# The ledger is keyed the same way in both trust modes: central trust runs on request (`pytest -m slow`).
-@pytest.mark.parametrize("trust", ["local", pytest.param("central", marks=pytest.mark.slow)])
+# On request (`pytest -m slow`, both trust modes; test budget: two Ray starts, 39 s). By default the same
+# property runs on Flower's deployment engine: three `flwr run`s against the same ledgers, spend only
+# growing (tests/e2e/test_hostile_bundle.py), and two federations' runs summed on one ledger
+# (tests/e2e/test_federations_deployed.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("trust", ["local", "central"])
 def test_spend_survives_new_run_and_node_ids(tmp_path: Path, trust: str) -> None:
     per = make_clients(tmp_path, trust=trust)
     first = run(per, run_id="run-1", rounds=4, trust=trust)
