@@ -77,7 +77,7 @@ def _marks(agent: Agent, node_config: Mapping[str, Any]) -> tuple[FileMark, ...]
 
 
 MOST_KEPT = 4096  # about 1.4 GiB of open agents per process at 340 KiB each
-FDS_PER_AGENT = 4  # the ledger, its WAL, its shared-memory index, and one to spare
+FDS_PER_AGENT = 5  # the ledger, its WAL, its shared-memory index, its header descriptor (ledger._HeldFiles), one spare
 FDS_RESERVED = 256  # Ray's and Flower's own sockets and files
 
 

@@ -33,6 +33,7 @@ import os
 import re
 import secrets
 import sqlite3
+import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
@@ -305,6 +306,7 @@ class Ledger:
         self._marked = contents.marked
         self._state_sha = ""
         self._high_water: HighWater | None = None
+        self._held: tuple[int, int] | None = None  # this handle's count in _HELD, released after its connection
 
     # ----- opening
 
@@ -418,12 +420,13 @@ class Ledger:
     @classmethod
     def _open_checked(cls, path: Path, *, allow_foreign: bool = False) -> Self:
         """Connect read-mostly and check header, integrity, schema version, config and state checksum."""
-        _check_header(path)
+        held = _check_header(path)
         try:
             conn = sqlite3.connect(
                 path.absolute().as_uri() + "?mode=rw", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000
             )
         except sqlite3.Error as exc:
+            _HELD.release(held)
             raise _corrupt(path, exc) from exc
         try:
             contents = _check_contents(path, conn)
@@ -436,9 +439,11 @@ class Ledger:
                 )
             _set_durable_pragmas(path, conn)
             ledger = cls(path, conn, contents)
+            ledger._held = held
             ledger.state()  # verifies the checksum and layout, and records the state this handle has seen
         except BaseException:
             conn.close()
+            _HELD.release(held)
             raise
         return ledger
 
@@ -723,15 +728,17 @@ class Ledger:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self._held is not None:  # after the connection: the file's descriptors may close with the last handle
+            held, self._held = self._held, None
+            _HELD.release(held)
 
     def reopen(self) -> None:
         """Close this handle's connection and open the file again with every check of :meth:`open`.
 
         For a ledger another process wrote to since this handle last read it. The connection is
-        closed *first*: reading the file's header through another descriptor while this process
-        holds an SQLite connection to it would drop the process's POSIX locks on the file, and
-        another process closing its connection could then checkpoint and delete the WAL this
-        connection still writes to (a lost commit). Then the file is read afresh and checked as an
+        closed first (a header read never closes a descriptor of a file another handle of this
+        process holds, :class:`_HeldFiles`, which would drop that handle's POSIX locks and let another
+        process delete the WAL it commits to). Then the file is read afresh and checked as an
         open checks it (header bytes, integrity, application id, schema objects and version, state
         checksum, and the high-water mark when one is kept), and it must be the ledger this handle
         opened: the same ledger id, configuration and state layout. Not repeated: the version-1
@@ -755,6 +762,7 @@ class Ledger:
             raise
         # Adopt the checked connection and what it read; the high-water mark object stays this handle's.
         self._conn, fresh._conn = fresh._conn, None
+        self._held, fresh._held = fresh._held, None
         self._schema_version = fresh._schema_version
         self.foreign_objects = fresh.foreign_objects
         self._marked = fresh._marked
@@ -841,17 +849,82 @@ def network_filesystem(path: Path, mountinfo: str = "/proc/self/mountinfo") -> s
     return kind if kind in NETWORK_FILESYSTEMS else None
 
 
-def _check_header(path: Path) -> None:
-    """Refuse anything that is not an SQLite file before SQLite sees it (an empty file would be 'a new database')."""
+class _HeldFiles:
+    """The descriptors this process reads ledger headers through: per file (device, inode), kept open
+    while any ledger handle of this process has that file open, and closed together after the last.
+
+    POSIX drops every lock a process holds on a file when the process closes *any* descriptor of that
+    file (https://www.sqlite.org/howtocorrupt.html, section 2.2). Had a header been read through a
+    descriptor opened and closed while another handle of this process held an SQLite connection to the
+    file, that connection's locks would be gone: another process closing its own connection would take
+    itself for the last one, checkpoint and delete the WAL this connection still reads and commits to,
+    and the next commit here would go on from a state without the other process's charges (a lost
+    spend; tests/unit/test_ledger.py, TestOneProcessTwoHandles). So a descriptor of a ledger file is
+    closed only when no handle of this process has the file open any more.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fds: dict[tuple[int, int], list[int]] = {}
+        self._handles: dict[tuple[int, int], int] = {}
+
+    def hold(self, path: Path) -> tuple[tuple[int, int], bytes]:
+        """Count one more handle of ``path``'s file; its key and its first header bytes."""
+        with self._lock:
+            st = os.stat(path)
+            key = (st.st_dev, st.st_ino)
+            if key not in self._fds:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                found = os.fstat(fd)
+                key = (found.st_dev, found.st_ino)  # the file opened, should the path have changed since stat
+                # A second descriptor of a held file (the path moved onto it in between) is kept as well.
+                self._fds.setdefault(key, []).append(fd)
+            self._handles[key] = self._handles.get(key, 0) + 1
+            try:
+                return key, os.pread(self._fds[key][0], _SQLITE_HEADER_BYTES, 0)
+            except OSError:
+                self._release(key)
+                raise
+
+    def release(self, key: tuple[int, int]) -> None:
+        """One handle of the file ``key`` closed its connection: after the last, close the file's descriptors."""
+        with self._lock:
+            self._release(key)
+
+    def _release(self, key: tuple[int, int]) -> None:
+        left = self._handles[key] - 1
+        if left:
+            self._handles[key] = left
+            return
+        del self._handles[key]
+        for fd in self._fds.pop(key):
+            os.close(fd)
+
+    def holding(self) -> int:
+        """How many files this process holds descriptors of (tests)."""
+        with self._lock:
+            return len(self._fds)
+
+
+_HELD = _HeldFiles()
+
+
+def _check_header(path: Path) -> tuple[int, int]:
+    """Refuse anything that is not an SQLite file before SQLite sees it (an empty file would be 'a new database').
+
+    The file is then held (:class:`_HeldFiles`): the caller releases the key it gets when its connection closes.
+    """
     try:
-        with path.open("rb") as handle:
-            header = handle.read(_SQLITE_HEADER_BYTES)
+        key, header = _HELD.hold(path)
     except OSError as exc:
         raise _corrupt(path, exc) from exc
     if not header:
+        _HELD.release(key)
         raise _corrupt(path, "expected an SQLite database, found an empty (0-byte) file")
     if len(header) < _SQLITE_HEADER_BYTES or not header.startswith(_SQLITE_MAGIC):
+        _HELD.release(key)
         raise _corrupt(path, f"expected an SQLite database header, found {header[:16]!r}")
+    return key
 
 
 def _set_durable_pragmas(path: Path, conn: sqlite3.Connection) -> None:
@@ -958,11 +1031,20 @@ def _migrate(path: Path) -> None:
     alone (the open that follows refuses it).
     """
     try:
-        with path.open("rb") as handle:
-            if not handle.read(_SQLITE_HEADER_BYTES).startswith(_SQLITE_MAGIC):
-                return  # not an SQLite file: the open that follows says so
+        key, header = _HELD.hold(path)  # never a descriptor closed under another handle's locks (_HeldFiles)
+    except OSError:
+        return  # the open that follows says what is wrong
+    try:
+        if header.startswith(_SQLITE_MAGIC):  # else not an SQLite file: the open that follows says so
+            _migrate_held(path)
+    finally:
+        _HELD.release(key)
+
+
+def _migrate_held(path: Path) -> None:
+    try:
         conn = sqlite3.connect(path.absolute().as_uri() + "?mode=rw", uri=True, isolation_level=None)
-    except (OSError, sqlite3.Error):
+    except sqlite3.Error:
         return
     try:
         try:

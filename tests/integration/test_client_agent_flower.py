@@ -23,7 +23,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 import flwr.simulation  # noqa: F401  (flwr[simulation] is pinned: a broken install must fail, not skip)
 
-from simulations.engine import run_flower
+from simulations.engine import run_engine
 
 pytestmark = pytest.mark.flower
 
@@ -44,7 +44,9 @@ def make_clients(root: Path, *, trust: str) -> dict[int, dict[str, object]]:
     )
 
 
-def run(per: dict[int, dict[str, object]], *, run_id: str, rounds: int, trust: str) -> dict[str, object]:
+def run(
+    per: dict[int, dict[str, object]], *, run_id: str, rounds: int, trust: str, engine: str = "flower"
+) -> dict[str, object]:
     cfg = CoordinatorConfig(
         num_nodes=N_CLIENTS,
         n_public=N_CLIENTS * RECORDS,
@@ -59,7 +61,7 @@ def run(per: dict[int, dict[str, object]], *, run_id: str, rounds: int, trust: s
         run_id=run_id,
         progress=False,
     )
-    return run_flower(cfg, per)
+    return run_engine(engine, cfg, per)
 
 
 def ledger_states(per: dict[int, dict[str, object]]) -> list[dict[str, np.ndarray]]:
@@ -74,11 +76,17 @@ def ledger_states(per: dict[int, dict[str, object]]) -> list[dict[str, np.ndarra
 # property runs on Flower's deployment engine: three `flwr run`s against the same ledgers, spend only
 # growing (tests/e2e/test_hostile_bundle.py), and two federations' runs summed on one ledger
 # (tests/e2e/test_federations_deployed.py).
+#
+# With the first run in this process (the in-process engine), its agents stay open in this process's
+# cache while the test reads the ledgers and Ray's actors answer the second run: before ledger._HeldFiles
+# the reads dropped those agents' locks, the actors deleted the WAL, and the ledgers read as corrupt.
 @pytest.mark.slow
-@pytest.mark.parametrize("trust", ["local", "central"])
-def test_spend_survives_new_run_and_node_ids(tmp_path: Path, trust: str) -> None:
+@pytest.mark.parametrize(
+    ("trust", "first_engine"), [("local", "flower"), ("central", "flower"), ("local", "inprocess")]
+)
+def test_spend_survives_new_run_and_node_ids(tmp_path: Path, trust: str, first_engine: str) -> None:
     per = make_clients(tmp_path, trust=trust)
-    first = run(per, run_id="run-1", rounds=4, trust=trust)
+    first = run(per, run_id="run-1", rounds=4, trust=trust, engine=first_engine)
     assert first["rounds_completed"] == 4
     assert all(r["replies"] == N_CLIENTS and not r["errors"] for r in first["rounds"])  # type: ignore[index]
     after_first = ledger_states(per)

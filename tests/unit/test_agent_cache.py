@@ -198,10 +198,23 @@ def test_another_threads_agent_is_never_used_or_closed_here(tmp_path: Path, cach
     cache.clear()
 
 
-def test_default_capacity_fits_the_descriptor_limit() -> None:
-    """Each open agent holds about 3 descriptors: the cache keeps what the hard limit allows (issue 24)."""
+def test_default_capacity_fits_the_descriptor_limit(tmp_path: Path, cache: AgentCache) -> None:
+    """An open agent holds at most FDS_PER_AGENT descriptors: the cache keeps what the hard limit allows (issue 24)."""
     import subprocess
     import sys
+
+    from client_agent.agent_cache import FDS_PER_AGENT
+
+    def open_descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_descriptors()
+    for i in range(3):  # three agents kept open, each with its ledger, WAL, index and header descriptor
+        (tmp_path / f"client{i}").mkdir()
+        cfg = node_config(tmp_path / f"client{i}")
+        assert not answer_request(cfg, wire.GRADIENT, *gradient(1), cache=cache, simulation=True).is_error
+    per_agent = (open_descriptors() - before) / 3
+    assert len(cache) == 3 and 3 <= per_agent <= FDS_PER_AGENT - 1, per_agent  # one to spare
 
     code = (
         "import resource; from client_agent.agent_cache import default_capacity as d\n"
@@ -210,7 +223,10 @@ def test_default_capacity_fits_the_descriptor_limit() -> None:
         "print(d(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == [str((600 - 256) // 4), "600"]  # the soft limit rose to the hard one, and the cache fits it
+    assert out == [
+        str((600 - 256) // FDS_PER_AGENT),
+        "600",
+    ]  # the soft limit rose to the hard one, and the cache fits it
     from client_agent.agent_cache import MOST_KEPT
     from client_agent.direct import AGENTS
 

@@ -583,6 +583,89 @@ class TestDurabilityAndConcurrency:
             np.testing.assert_allclose(ledger.state()["spent"], np.full(N_UNITS, 0.2 + 30 * 0.01))
 
 
+class TestOneProcessTwoHandles:
+    """A second handle this process opens on a ledger it already holds must leave the first one's POSIX
+    locks in place. Before _HeldFiles the header check opened and closed a Python descriptor of the file,
+    which drops every lock the process holds on it: another process closing its connection then took
+    itself for the last one, checkpointed and deleted the WAL, and the first handle's next commit went on
+    from a state without that process's charge (0.4 spent fell to 0.2; found when an in-process run and a
+    Flower run were made in one Python process, the driver's cached agents still open)."""
+
+    OTHER = textwrap.dedent(
+        f"""
+        import sys
+        from client_agent.ledger import Ledger, LedgerConfig
+        with Ledger.open(sys.argv[1], LedgerConfig.from_json({make_config().to_json()!r})) as ledger:
+            if sys.argv[2] != "-":
+                state = ledger.state()
+                ledger.commit(request_id=sys.argv[2], message_type="fit", run_id="other", digest="ef" * 32,
+                              release={{"n": 1}}, new_state={{**state, "spent": state["spent"] + 0.3}}, reply=b"")
+            print(ledger.requests_answered(), float(ledger.state()["spent"][0]))
+        """
+    )
+
+    def other(self, path: Path, request_id: str = "-") -> tuple[int, float]:
+        """Another process opens the ledger, commits ``request_id`` (0.3 more each) unless "-", and closes it."""
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        run = subprocess.run(
+            [sys.executable, "-c", self.OTHER, str(path), request_id],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        answered, spent = run.stdout.split()
+        return int(answered), float(spent)
+
+    @pytest.mark.parametrize("second_open", ["open_existing", "open", "reopen"])
+    def test_another_process_charge_survives_a_second_handle(self, ledger_path: Path, second_open: str) -> None:
+        with Ledger.open(ledger_path, make_config()) as first:  # an agent kept open (0.2 spent, 2 requests)
+            first.state()
+            if second_open == "open_existing":  # what `fedfilter ledger show` or a preset's read does
+                Ledger.open_existing(ledger_path).close()
+            elif second_open == "open":  # another agent of this process on the same ledger
+                Ledger.open(ledger_path, make_config()).close()
+            else:
+                with Ledger.open(ledger_path, make_config()) as second:
+                    second.reopen()
+            assert self.other(ledger_path, "other-1") == (3, pytest.approx(0.5))  # another actor charges 0.3
+            commit_round(first, "req-3")  # reads the state the other process left, then charges 0.1
+            np.testing.assert_allclose(first.state()["spent"], np.full(N_UNITS, 0.6))
+            assert self.other(ledger_path) == (4, pytest.approx(0.6))  # visible while this handle is open
+        assert self.other(ledger_path) == (4, pytest.approx(0.6))
+        with Ledger.open_existing(ledger_path) as after:
+            assert after.lookup("other-1") is not None and after.lookup("req-3") is not None
+
+    def test_descriptors_close_with_the_last_handle_and_on_refusals(self, ledger_path: Path, tmp_path: Path) -> None:
+        from client_agent.ledger import _HELD
+
+        before = _HELD.holding()
+        first = Ledger.open(ledger_path, make_config())
+        second = Ledger.open_existing(ledger_path)
+        assert _HELD.holding() == before + 1  # one file, one set of descriptors, however many handles
+        second.reopen()
+        first.close()
+        assert _HELD.holding() == before + 1  # the second handle still holds it
+        second.close()
+        second.close()  # closing twice releases once
+        assert _HELD.holding() == before
+        empty = tmp_path / "empty.sqlite"
+        empty.touch()
+        not_sqlite = tmp_path / "text.sqlite"
+        not_sqlite.write_bytes(b"not a ledger" * 20)
+        for bad, expected in ((empty, r"found an empty \(0-byte\) file"), (not_sqlite, "header, found b'not a ledger")):
+            with pytest.raises(LedgerError, match=expected):
+                Ledger.open_existing(bad)
+            assert _HELD.holding() == before, bad
+        with pytest.raises(
+            LedgerError, match=r"was created with epsilon=3\.0; the agent.s configuration says epsilon=9\.0"
+        ):
+            Ledger.open(ledger_path, make_config(epsilon=9.0))
+        assert _HELD.holding() == before
+
+
 def test_new_ledger_is_readable_by_its_owner_only(tmp_path: Path) -> None:
     """The ledger holds every unit's spend (and secagg session secrets): mode 0600 whatever the umask."""
     import os
