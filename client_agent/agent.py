@@ -556,7 +556,7 @@ class Agent:
         fed = federation or self.config.served[0]
         scoped = FederationLedger(self.ledger, fed.name)
         state = AgentState.from_arrays(self.ledger.state())
-        quota = self.quota_state(fed.name)
+        quota = self.quota_state(fed.name, state)
         new_state, new_quota = state, quota
         if isinstance(request, wire.SecaggKeysRequest):
             cfg, arrs, release = secagg_client.advertise(request, self._identity(fed))
@@ -717,8 +717,14 @@ class Agent:
         first = self.identities.get(self.config.served[0].name)
         return None if first is None else first[1]
 
-    def quota_state(self, federation: str) -> AgentState | None:
-        """``federation``'s own spend, stopped flags and halt rounds (Gaussian filters; fresh before its first one)."""
+    def quota_state(self, federation: str, state: AgentState) -> AgentState | None:
+        """``federation``'s own spend, stopped flags and halt rounds (Gaussian filters; fresh before its first one).
+
+        ``state``: the ledger's state as this request read it, the state its new state is computed from. It
+        is never read again here: a second read would move the ledger handle's record of the state it last
+        read (what :meth:`Ledger.commit` checks the stored state against) past a charge another process
+        committed in between, and this request's new state would then be written over that charge.
+        """
         if self.gaussian is None:
             return None
         stored = self.ledger.quota_state(federation)
@@ -727,7 +733,6 @@ class Agent:
             # "default": the quota starts from what the federation's stored releases charged (their sum in
             # commit order, as the charge adds them), and a unit stopped everywhere is stopped for it too.
             spent = self.ledger.charged_by(federation)
-            state = AgentState.from_arrays(self.ledger.state())
             assert state.stopped is not None
             return AgentState(
                 halt_round=select(np.asarray(state.stopped), np.asarray(state.halt_round, np.int64), np.int64(-1)),
@@ -848,7 +853,7 @@ class Agent:
         if self.gaussian is not None:
             fstate = state.filter_state()
             if quota is None:
-                quota = self.quota_state(fed.name)
+                quota = self.quota_state(fed.name, state)
                 assert quota is not None
             qfilter = quota_filter(self.gaussian, fed)
             qstate = quota.filter_state()

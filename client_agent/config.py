@@ -624,6 +624,15 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         audit_log=_audit_log(raw, simulation),
         reply_pacing_margin=_reply_pacing(raw),
     )
+    ledger_files = {
+        config.ledger_path.absolute(),
+        *(config.ledger_path.absolute().with_name(config.ledger_path.name + x) for x in ("-wal", "-shm", "-journal")),
+    }
+    for key, other in (("audit-log", config.audit_log), ("ledger-high-water", config.high_water_path)):
+        # Written, or opened and closed, by the agent beside its ledger connection: a close of a ledger file's
+        # descriptor drops the connection's locks (client_agent/ledger.py, _HeldFiles), and a write corrupts it.
+        if other is not None and other.absolute() in ledger_files:
+            raise AgentConfigError(f"{key}: expected a file other than the ledger and its WAL, got {str(other)!r}")
     if not simulation:
         # A deployed agent's owner states the two limits that bound what one request can cost (privacy.md
         # §11): the defaults (noise floor 1e-6, no clip limit) suit simulations, not somebody's data.

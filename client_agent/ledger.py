@@ -35,6 +35,7 @@ import secrets
 import sqlite3
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -307,6 +308,9 @@ class Ledger:
         self._state_sha = ""
         self._high_water: HighWater | None = None
         self._held: tuple[int, int] | None = None  # this handle's count in _HELD, released after its connection
+        # Cursors of log() and releases() a caller may leave unfinished: closed before the connection, whose
+        # close would otherwise leave SQLite's files open (a "zombie") after _HELD released the file.
+        self._cursors: weakref.WeakSet[sqlite3.Cursor] = weakref.WeakSet()
 
     # ----- opening
 
@@ -438,6 +442,15 @@ class Ledger:
                     + " (a trigger or view can rewrite or hide what the agent commits)",
                 )
             _set_durable_pragmas(path, conn)
+            try:
+                now = os.stat(path)
+            except OSError as exc:
+                raise _corrupt(path, exc) from exc
+            if (now.st_dev, now.st_ino) != held:  # the connection's file is the one its descriptor holds
+                raise LedgerError(
+                    f"ledger {path}: expected the file whose header was checked, found another one at the path "
+                    "(replaced while it was being opened); nothing was read from it"
+                )
             ledger = cls(path, conn, contents)
             ledger._held = held
             ledger.state()  # verifies the checksum and layout, and records the state this handle has seen
@@ -544,7 +557,9 @@ class Ledger:
         keys = ("seq", "created_at", "federation", "message_type", "run_id", "request_id", "reply_bytes")
         conn = self._connection()
         try:
-            for row in conn.execute(sql + " ORDER BY seq", args):
+            cursor = conn.execute(sql + " ORDER BY seq", args)
+            self._cursors.add(cursor)
+            for row in cursor:
                 entry = dict(zip(keys, row[:-1], strict=True))
                 yield entry, self._decode_release(str(entry["request_id"]), row[-1])
         except sqlite3.Error as exc:
@@ -605,6 +620,7 @@ class Ledger:
         conn = self._connection()
         try:
             cursor = conn.execute("SELECT request_id, message_type, release FROM requests ORDER BY seq")
+            self._cursors.add(cursor)
             for request_id, message_type, release in cursor:
                 yield request_id, message_type, self._decode_release(request_id, release)
         except sqlite3.Error as exc:
@@ -726,6 +742,8 @@ class Ledger:
     def close(self) -> None:
         """Close the connection; closing twice is harmless."""
         if self._conn is not None:
+            for cursor in list(self._cursors):
+                cursor.close()
             self._conn.close()
             self._conn = None
         if self._held is not None:  # after the connection: the file's descriptors may close with the last handle

@@ -73,7 +73,7 @@ def test_two_coordinators_interleaving_adaptive_requests_stay_within_quotas_and_
         state = AgentState.from_arrays(agent.ledger.state())
         assert state.spent is not None and np.all(state.spent <= threshold)  # never over the budget
         for name, quota in QUOTAS.items():
-            own = agent.quota_state(name)
+            own = own_quota(agent, name)
             assert own is not None and own.spent is not None
             assert np.all(own.spent <= quota * threshold)  # each federation within its quota
         if all(exhausted_seen.values()):
@@ -88,7 +88,7 @@ def test_two_coordinators_interleaving_adaptive_requests_stay_within_quotas_and_
     assert state.spent is not None
     np.testing.assert_allclose(spent_by["alpha"] + spent_by["beta"], state.spent, rtol=1e-12, atol=0)
     for name, quota in QUOTAS.items():
-        own = agent.quota_state(name)
+        own = own_quota(agent, name)
         assert own is not None and own.spent is not None
         np.testing.assert_allclose(spent_by[name], own.spent, rtol=1e-12, atol=0)
         assert np.all(spent_by[name] <= quota * threshold)
@@ -104,6 +104,59 @@ def ledger_federations(agent: Agent) -> list[str]:
     return agent.ledger.federations()
 
 
+def own_quota(agent: Agent, federation: str) -> AgentState | None:
+    """``federation``'s quota state as a request reads it: from the ledger's state, read once."""
+    return agent.quota_state(federation, AgentState.from_arrays(agent.ledger.state()))
+
+
+def test_a_first_request_never_overwrites_a_charge_another_process_made_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A federation's first request builds its quota from the ledger's log. Another process (a second actor
+    answering 'alpha') charging while it does so must make this request's commit fail, never be overwritten:
+    the quota once read the state a second time, which moved the handle's record of the state it had read
+    past that charge, and this request's new state, computed from the older one, was written over it
+    (found by a hostile review of the ledger-lock fix: 0.0719 spent fell to 0.0625)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    other = textwrap.dedent(
+        """
+        import json, sys
+        from client_agent.agent import Agent
+        from client_agent.config import parse_agent_config
+        from protocol import messages as wire
+        from tests.factories import gradient_request
+        agent = Agent(parse_agent_config(json.loads(sys.argv[1]), simulation=True))
+        request = gradient_request("a2", trust="central", round=2, noise_std=4.0)
+        assert not agent.handle(wire.message_type_of(request), *wire.encode_request(request), "alpha").is_error
+        agent.close()
+        """
+    )
+    cfg = two_federations(tmp_path)
+    cfg["federations"] = {"alpha": {"quota": 1.0}, "beta": {"quota": 1.0}}  # a2 charges: alpha has room
+    agent = Agent(parse_agent_config(cfg, simulation=True))
+    assert not ask(agent, gradient_request("a1", trust="central", noise_std=4.0), "alpha").is_error
+    path = agent.ledger.path
+    after_a1 = agent.ledger.state()["spent"]
+    replay = agent.ledger.charged_by
+
+    def charged_by(federation: str) -> np.ndarray:  # the window: the other process commits during the replay
+        root = Path(__file__).resolve().parents[2]
+        subprocess.run([sys.executable, "-c", other, json.dumps(cfg)], check=True, cwd=root, timeout=120)
+        return replay(federation)
+
+    monkeypatch.setattr(agent.ledger, "charged_by", charged_by)
+    outcome = ask(agent, gradient_request("b1", trust="central", run_id="run-b", noise_std=4.0), "beta")
+    assert outcome.error_code == wire.ERR_LEDGER and "another process committed" in outcome.local_detail
+    agent.close()
+    with Ledger.open_existing(path) as ledger:
+        assert ledger.requests_answered() == 2  # a1 and the other process's a2; b1 stored nothing
+        assert np.all(ledger.state()["spent"] > after_a1)  # a2 charged every unit, and that charge stands
+    assert verify_ledger(path) == []  # the stored spend is every release's charge, a2's included
+
+
 def test_a_federation_draining_its_quota_leaves_the_other_its_share(tmp_path: Path) -> None:
     """The hostile coordinator of 'alpha' asks the largest requests its policy allows until its quota is spent;
     'beta' is still answered with every unit active, and what it may spend is the rest of the budget."""
@@ -113,7 +166,7 @@ def test_a_federation_draining_its_quota_leaves_the_other_its_share(tmp_path: Pa
     for i in range(1, 30):
         outcome = ask(agent, gradient_request(f"a{i}", round=i, noise_std=0.5, trust="central"), "alpha")
         assert not outcome.is_error
-    alpha = agent.quota_state("alpha")
+    alpha = own_quota(agent, "alpha")
     assert alpha is not None and alpha.stopped is not None and alpha.spent is not None
     assert alpha.stopped.all() and np.all(alpha.spent <= 0.5 * threshold)
     last = ask(agent, gradient_request("a99", trust="central"), "alpha")
@@ -122,7 +175,7 @@ def test_a_federation_draining_its_quota_leaves_the_other_its_share(tmp_path: Pa
     outcome = ask(agent, gradient_request("b1", noise_std=20.0, trust="central"), "beta")
     reply = wire.ContributionReply.decode(outcome.config, outcome.arrays)
     assert reply.status == wire.REPLY_OK and np.any(reply.total != 0)
-    beta = agent.quota_state("beta")
+    beta = own_quota(agent, "beta")
     assert beta is not None and beta.stopped is not None and not beta.stopped.any()
     # The same request id in the two federations is two requests: one coordinator cannot replay another's.
     again = ask(agent, gradient_request("a1", round=1, noise_std=4.0, trust="central"), "beta")
@@ -385,3 +438,14 @@ def test_every_request_answered_or_refused_leaves_one_audit_line_and_no_data(tmp
     x, _ = client_data(20, seed=3)
     assert all(f"{v:.6g}" not in log.read_text() for v in x.ravel()[:20])  # public fields and aggregates only
     agent.close()
+
+
+@pytest.mark.parametrize("key", ["audit-log", "ledger-high-water"])
+@pytest.mark.parametrize("suffix", ["", "-wal"])
+def test_the_audit_log_and_the_mark_are_never_the_ledger(tmp_path: Path, key: str, suffix: str) -> None:
+    """Both are opened, written and closed beside the ledger's connection: on the ledger itself a close would
+    drop the connection's locks (client_agent/ledger.py, _HeldFiles) and a write would corrupt it."""
+    cfg = two_federations(tmp_path)
+    cfg[key] = str(Path(cfg["ledger-path"]).absolute()) + suffix
+    with pytest.raises(AgentConfigError, match=f"{key}: expected a file other than the ledger and its WAL"):
+        parse_agent_config(cfg, simulation=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -664,6 +665,52 @@ class TestOneProcessTwoHandles:
         ):
             Ledger.open(ledger_path, make_config(epsilon=9.0))
         assert _HELD.holding() == before
+
+    def test_a_file_replaced_while_it_is_opened_is_refused(
+        self, ledger_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The connection must be on the file whose descriptor the handle holds: a copy moved onto the path
+        between the header check and the connect (as a restore tool writes it) would leave the connection's
+        file unheld, and a later handle's close would drop its locks again."""
+        import shutil
+
+        from client_agent import ledger as ledger_module
+
+        copy = tmp_path / "copy.sqlite"
+        shutil.copyfile(ledger_path, copy)  # byte for byte: the same ledger id, the same requests
+        connect = sqlite3.connect
+
+        def swapping(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+            monkeypatch.setattr(ledger_module.sqlite3, "connect", connect)
+            os.replace(copy, ledger_path)
+            return connect(*args, **kwargs)
+
+        before = ledger_module._HELD.holding()
+        monkeypatch.setattr(ledger_module.sqlite3, "connect", swapping)
+        with pytest.raises(LedgerError, match=r"found another one at the path \(replaced while it was being opened\)"):
+            Ledger.open_existing(ledger_path)
+        assert ledger_module._HELD.holding() == before
+        with Ledger.open_existing(ledger_path) as again:  # the copy, opened whole, is the same ledger
+            assert again.requests_answered() == 2
+
+    def test_closing_with_an_unfinished_log_leaves_no_file_open(self, ledger_path: Path) -> None:
+        """A log() or releases() left unfinished keeps a statement open: the connection's close would leave
+        SQLite's files open after the header descriptor closed, unheld. The handle closes its cursors first."""
+
+        def open_files() -> set[str]:
+            names = set()
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(FileNotFoundError):  # listdir's own descriptor, closed by now
+                    names.add(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+            return names
+
+        ledger = Ledger.open_existing(ledger_path)
+        log, releases = ledger.log(), ledger.releases()
+        assert next(log)[0]["request_id"] == "req-1" and next(releases)[0] == "req-1"
+        assert ledger_path.name in open_files()
+        ledger.close()
+        assert not {name for name in open_files() if name.startswith(ledger_path.name)}
+        del log, releases
 
 
 def test_new_ledger_is_readable_by_its_owner_only(tmp_path: Path) -> None:
