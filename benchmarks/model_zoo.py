@@ -170,6 +170,9 @@ def agent_request(case: Case, data: Path, model: nn.Module, root: Path, k: str) 
         "delta": 1e-5,
         "unit": "record",
         "trust": "local",
+        # A deployed agent's policy must be explicit: what this benchmark's request asks (noise std 2, clip 1).
+        "policy-min-noise-std": 2.0,
+        "policy-max-clip": 1.0,
     }
     agent = Agent(parse_agent_config(node))
     args = json.dumps(case.model_args)
