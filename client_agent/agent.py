@@ -556,6 +556,7 @@ class Agent:
         fed = federation or self.config.served[0]
         scoped = FederationLedger(self.ledger, fed.name)
         state = AgentState.from_arrays(self.ledger.state())
+        base_sha = self.ledger.last_read_sha  # the commit refuses unless the stored state is still this one
         quota = self.quota_state(fed.name, state)
         new_state, new_quota = state, quota
         if isinstance(request, wire.SecaggKeysRequest):
@@ -614,6 +615,7 @@ class Agent:
             release=release.to_arrays(),
             new_state=new_state.to_arrays(),
             reply=blob,
+            base_sha=base_sha,
         )
         fault_point("after_commit")
         self._audit_entry = self._charged(state, new_state, quota, new_quota, release.to_arrays(), len(blob))

@@ -626,6 +626,11 @@ class Ledger:
         except sqlite3.Error as exc:
             raise _corrupt(self._path, exc) from exc
 
+    @property
+    def last_read_sha(self) -> str:
+        """The sha256 of the state this handle last read (or committed): pass it to :meth:`commit` as ``base_sha``."""
+        return self._state_sha
+
     # ----- writing
 
     def commit(
@@ -640,8 +645,13 @@ class Ledger:
         reply: bytes,
         federation: str = DEFAULT_FEDERATION,
         quota_state: Mapping[str, Any] | None = None,
+        base_sha: str | None = None,
     ) -> None:
         """Store a request, what it released and charged, and the new state, in one durable transaction.
+
+        ``base_sha``: the :attr:`last_read_sha` of the state ``new_state`` was computed from, taken when it
+        was read; the stored state must still be that one (default: the state this handle last read, which
+        any later read of the state moves on).
 
         ``federation``: whose socket the request came over; ``quota_state``: that federation's own
         per-unit spend after it (:data:`QUOTA_LAYOUT`), stored in the same transaction.
@@ -698,10 +708,11 @@ class Ledger:
                     f"found version {schema_version}: another process changed it; nothing was stored"
                 )
             (stored_sha,) = conn.execute("SELECT sha256 FROM state WHERE id = 1").fetchone()
-            if stored_sha != self._state_sha:
+            base = self._state_sha if base_sha is None else base_sha
+            if stored_sha != base:
                 raise LedgerError(
-                    f"{where}: expected the stored state to be the one this handle last read (sha256 "
-                    f"{self._state_sha}), found sha256 {stored_sha}: another process committed; read state() "
+                    f"{where}: expected the stored state to be the one the new state was computed from (sha256 "
+                    f"{base}), found sha256 {stored_sha}: another process committed; read state() "
                     "again and recompute; nothing was stored"
                 )
             (seq,) = conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM requests").fetchone()

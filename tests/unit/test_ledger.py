@@ -519,7 +519,7 @@ class TestDurabilityAndConcurrency:
             assert second.lookup("req-3") is not None
             with pytest.raises(
                 LedgerError,
-                match=r"expected the stored state to be the one this handle last read .* another process committed",
+                match=r"the one the new state was computed from .* another process committed",
             ):
                 second.commit(
                     request_id="req-4",
@@ -533,6 +533,28 @@ class TestDurabilityAndConcurrency:
             assert second.lookup("req-4") is None
             commit_round(second, "req-4")  # reads the fresh state first
             np.testing.assert_allclose(first.state()["spent"], np.full(N_UNITS, 0.4))
+
+    def test_a_commit_is_checked_against_the_state_it_was_computed_from(self, ledger_path: Path) -> None:
+        """A later read of the state (any code between a request's read and its commit) must not let a new
+        state computed from the earlier read be written over a commit made in between."""
+        with Ledger.open(ledger_path, make_config()) as first, Ledger.open(ledger_path, make_config()) as second:
+            stale = first.state()
+            base = first.last_read_sha
+            commit_round(second, "req-3")  # another handle (another process) charges 0.1
+            first.state()  # a second read moves the handle's own record on
+            assert first.last_read_sha != base
+            with pytest.raises(LedgerError, match=r"the one the new state was computed from .* nothing was stored"):
+                first.commit(
+                    request_id="req-4",
+                    message_type="fit",
+                    run_id="run-1",
+                    digest=digest("req-4"),
+                    release={"noise_std": 1.0},
+                    new_state={**stale, "spent": stale["spent"] + 0.1},
+                    reply=b"x",
+                    base_sha=base,
+                )
+            np.testing.assert_allclose(first.state()["spent"], np.full(N_UNITS, 0.3))  # req-3's charge stands
 
     def test_two_processes_committing_lose_no_charge(self, ledger_path: Path, tmp_path: Path) -> None:
         # Both workers start together (a file barrier) and pause between reading and committing,
