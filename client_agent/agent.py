@@ -33,7 +33,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from client_agent import model_cache, secagg_client
-from client_agent.config import AgentConfig, AgentConfigError, Federation, PolicyError
+from client_agent.config import AgentConfig, AgentConfigError, Federation, PolicyError, check_side_files
 from client_agent.identity import load_identity, load_peers
 from client_agent.ledger import FederationLedger, Ledger, LedgerConfig, LedgerError, qualified_id
 from client_agent.records import GaussianRecord, MonitorRecord, RealisationRecord
@@ -315,6 +315,7 @@ class Agent:
             n_units=self.n_units,
             params=params,
         )
+        check_side_files(config)  # again: a link made since the configuration was read
         self.ledger = Ledger.open(
             config.ledger_path,
             self.ledger_config,
@@ -556,7 +557,7 @@ class Agent:
         fed = federation or self.config.served[0]
         scoped = FederationLedger(self.ledger, fed.name)
         state = AgentState.from_arrays(self.ledger.state())
-        base_sha = self.ledger.last_read_sha  # the commit refuses unless the stored state is still this one
+        read = self.ledger.last_read  # the commit refuses unless the ledger is still as this read saw it
         quota = self.quota_state(fed.name, state)
         new_state, new_quota = state, quota
         if isinstance(request, wire.SecaggKeysRequest):
@@ -615,7 +616,7 @@ class Agent:
             release=release.to_arrays(),
             new_state=new_state.to_arrays(),
             reply=blob,
-            base_sha=base_sha,
+            base=read,
         )
         fault_point("after_commit")
         self._audit_entry = self._charged(state, new_state, quota, new_quota, release.to_arrays(), len(blob))

@@ -10,6 +10,7 @@ The policy is what the client keeps whatever the coordinator asks.
 from __future__ import annotations
 
 import math
+import os
 import re
 import tomllib
 from collections.abc import Mapping
@@ -624,15 +625,7 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         audit_log=_audit_log(raw, simulation),
         reply_pacing_margin=_reply_pacing(raw),
     )
-    ledger_files = {
-        config.ledger_path.absolute(),
-        *(config.ledger_path.absolute().with_name(config.ledger_path.name + x) for x in ("-wal", "-shm", "-journal")),
-    }
-    for key, other in (("audit-log", config.audit_log), ("ledger-high-water", config.high_water_path)):
-        # Written, or opened and closed, by the agent beside its ledger connection: a close of a ledger file's
-        # descriptor drops the connection's locks (client_agent/ledger.py, _HeldFiles), and a write corrupts it.
-        if other is not None and other.absolute() in ledger_files:
-            raise AgentConfigError(f"{key}: expected a file other than the ledger and its WAL, got {str(other)!r}")
+    check_side_files(config)
     if not simulation:
         # A deployed agent's owner states the two limits that bound what one request can cost (privacy.md
         # §11): the defaults (noise floor 1e-6, no clip limit) suit simulations, not somebody's data.
@@ -644,6 +637,31 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
                 "policy-max-request-share they bound what one request can cost), found none"
             )
     return config
+
+
+def check_side_files(config: AgentConfig) -> None:
+    """Refuse an audit log, high-water mark or mark lock that is the ledger or one of SQLite's files of it.
+
+    The agent opens, writes and closes these beside its ledger connection: on a ledger file a close would
+    drop the connection's POSIX locks (client_agent/ledger.py, _HeldFiles) and a write would corrupt it.
+    Compared by real path (``..`` and symbolic links resolved) and, for files that exist, by device and
+    inode (hard links); checked when the configuration is read and again when the agent opens its ledger.
+    """
+    ledger = Path(os.path.realpath(config.ledger_path))
+    sqlite_files = [ledger, *(ledger.with_name(ledger.name + x) for x in ("-wal", "-shm", "-journal"))]
+    sides: list[tuple[str, Path | None]] = [("audit-log", config.audit_log)]
+    if config.high_water_path is not None:
+        mark = config.high_water_path
+        sides += [("ledger-high-water", mark), ("ledger-high-water", mark.with_name(mark.name + ".lock"))]
+    for key, side in sides:
+        if side is None:
+            continue
+        real = Path(os.path.realpath(side))
+        for f in sqlite_files:
+            if real == f or (real.exists() and f.exists() and os.path.samefile(real, f)):
+                raise AgentConfigError(
+                    f"{key}: expected files other than the ledger and its WAL, got {str(side)!r}, which is {str(f)!r}"
+                )
 
 
 def _audit_log(raw: Mapping[str, Any], simulation: bool) -> Path | None:

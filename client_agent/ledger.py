@@ -289,6 +289,14 @@ class FederationLedger:
         return self.ledger.lookup(qualified_id(self.federation, request_id))
 
 
+@dataclasses.dataclass(frozen=True)
+class StateRead:
+    """What a read of the state saw: the state's sha256 and how many requests the ledger held."""
+
+    sha: str
+    requests: int
+
+
 class Ledger:
     """One client's durable privacy ledger; open it with :meth:`open` or :meth:`open_existing`.
 
@@ -306,6 +314,7 @@ class Ledger:
         self.foreign_objects = contents.foreign
         self._marked = contents.marked
         self._state_sha = ""
+        self._state_seq = -1  # how many requests the ledger held when this handle last read the state
         self._high_water: HighWater | None = None
         self._held: tuple[int, int] | None = None  # this handle's count in _HELD, released after its connection
         # Cursors of log() and releases() a caller may leave unfinished: closed before the connection, whose
@@ -474,10 +483,13 @@ class Ledger:
 
     def state(self) -> Arrays:
         """The current filter state, after checking its sha256; a mismatch raises :class:`LedgerError`."""
-        row = self._query_one("SELECT sha256, blob FROM state WHERE id = 1")
+        # One statement, one snapshot: the state and the number of requests it is the state after.
+        row = self._query_one(
+            "SELECT sha256, blob, (SELECT COALESCE(MAX(seq), 0) FROM requests) FROM state WHERE id = 1"
+        )
         if row is None:
             raise _corrupt(self._path, "expected one state row, found none")
-        stored_sha, blob = row
+        stored_sha, blob, seq = row
         found_sha = _sha256(blob)
         if found_sha != stored_sha:
             raise _corrupt(self._path, f"state checksum: expected sha256 {stored_sha}, found {found_sha}")
@@ -487,7 +499,7 @@ class Ledger:
             raise _corrupt(self._path, f"state blob does not decode: {exc}") from exc
         if (diff := _layout_mismatch(self._layout, _layout(arrays))) is not None:
             raise _corrupt(self._path, f"stored state {diff}")
-        self._state_sha = stored_sha
+        self._state_sha, self._state_seq = stored_sha, int(seq)
         return arrays
 
     def lookup(self, request_id: str) -> StoredRequest | None:
@@ -627,9 +639,9 @@ class Ledger:
             raise _corrupt(self._path, exc) from exc
 
     @property
-    def last_read_sha(self) -> str:
-        """The sha256 of the state this handle last read (or committed): pass it to :meth:`commit` as ``base_sha``."""
-        return self._state_sha
+    def last_read(self) -> StateRead:
+        """The state this handle last read (or committed), as :meth:`commit` checks it: pass it as ``base``."""
+        return StateRead(self._state_sha, self._state_seq)
 
     # ----- writing
 
@@ -645,13 +657,15 @@ class Ledger:
         reply: bytes,
         federation: str = DEFAULT_FEDERATION,
         quota_state: Mapping[str, Any] | None = None,
-        base_sha: str | None = None,
+        base: StateRead | None = None,
     ) -> None:
         """Store a request, what it released and charged, and the new state, in one durable transaction.
 
-        ``base_sha``: the :attr:`last_read_sha` of the state ``new_state`` was computed from, taken when it
-        was read; the stored state must still be that one (default: the state this handle last read, which
-        any later read of the state moves on).
+        ``base``: :attr:`last_read` taken when the state ``new_state`` was computed from was read; the ledger
+        must still be as it was then: the same state and no request committed since (default: the state this
+        handle last read, which any later read moves on). The number of requests is checked, not only the
+        state's checksum: a commit that leaves the state's bytes as they were still changes a federation's
+        quota row, which a request computed from an older read would write back.
 
         ``federation``: whose socket the request came over; ``quota_state``: that federation's own
         per-unit spend after it (:data:`QUOTA_LAYOUT`), stored in the same transaction.
@@ -708,14 +722,14 @@ class Ledger:
                     f"found version {schema_version}: another process changed it; nothing was stored"
                 )
             (stored_sha,) = conn.execute("SELECT sha256 FROM state WHERE id = 1").fetchone()
-            base = self._state_sha if base_sha is None else base_sha
-            if stored_sha != base:
-                raise LedgerError(
-                    f"{where}: expected the stored state to be the one the new state was computed from (sha256 "
-                    f"{base}), found sha256 {stored_sha}: another process committed; read state() "
-                    "again and recompute; nothing was stored"
-                )
             (seq,) = conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM requests").fetchone()
+            read = self.last_read if base is None else base
+            if StateRead(stored_sha, seq - 1) != read:
+                raise LedgerError(
+                    f"{where}: expected the ledger as the new state was computed from it (state sha256 "
+                    f"{read.sha}, {read.requests} requests), found sha256 {stored_sha}, {seq - 1} requests: "
+                    "another process committed; read state() again and recompute; nothing was stored"
+                )
             conn.execute(
                 "INSERT INTO requests (request_id, seq, message_type, run_id, digest, created_at, release, reply, "
                 "federation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -742,7 +756,7 @@ class Ledger:
             if isinstance(exc, sqlite3.Error):
                 raise LedgerError(f"{where}: expected to commit, found: {exc}; rolled back, nothing stored") from exc
             raise
-        self._state_sha = state_sha
+        self._state_sha, self._state_seq = state_sha, int(seq)
         if self._high_water is not None:  # committed: the charge stands whatever happens to the mark
             high_water = self._high_water
             mark = Mark(self._ledger_id, int(seq), state_sha, _fingerprint(request_id, created_at))
@@ -795,7 +809,7 @@ class Ledger:
         self._schema_version = fresh._schema_version
         self.foreign_objects = fresh.foreign_objects
         self._marked = fresh._marked
-        self._state_sha = fresh._state_sha
+        self._state_sha, self._state_seq = fresh._state_sha, fresh._state_seq
 
     def __enter__(self) -> Self:
         return self

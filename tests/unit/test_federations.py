@@ -7,6 +7,7 @@ and replayed independently of the agent's own bookkeeping.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -441,11 +442,46 @@ def test_every_request_answered_or_refused_leaves_one_audit_line_and_no_data(tmp
 
 
 @pytest.mark.parametrize("key", ["audit-log", "ledger-high-water"])
-@pytest.mark.parametrize("suffix", ["", "-wal"])
-def test_the_audit_log_and_the_mark_are_never_the_ledger(tmp_path: Path, key: str, suffix: str) -> None:
+@pytest.mark.parametrize("spelling", ["same", "wal", "dotdot", "symlink", "hardlink"])
+def test_the_audit_log_and_the_mark_are_never_the_ledger(tmp_path: Path, key: str, spelling: str) -> None:
     """Both are opened, written and closed beside the ledger's connection: on the ledger itself a close would
-    drop the connection's locks (client_agent/ledger.py, _HeldFiles) and a write would corrupt it."""
+    drop the connection's locks (client_agent/ledger.py, _HeldFiles) and a write would corrupt it. Every
+    spelling of the ledger is refused (a hostile review found '..', links and the mark's lock accepted)."""
     cfg = two_federations(tmp_path)
-    cfg[key] = str(Path(cfg["ledger-path"]).absolute()) + suffix
-    with pytest.raises(AgentConfigError, match=f"{key}: expected a file other than the ledger and its WAL"):
+    ledger = Path(cfg["ledger-path"]).absolute()
+    Agent(parse_agent_config(cfg, simulation=True)).close()  # the ledger exists: links can point at it
+    (tmp_path / "sub").mkdir()
+    if spelling == "same":
+        side = ledger
+    elif spelling == "wal":
+        side = ledger.with_name(ledger.name + "-wal")
+    elif spelling == "dotdot":
+        side = tmp_path / "sub" / ".." / ledger.relative_to(tmp_path)
+    elif spelling == "symlink":
+        side = tmp_path / "sub" / "link"
+        side.symlink_to(ledger)
+    else:
+        side = tmp_path / "sub" / "hard"
+        os.link(ledger, side)
+    cfg[key] = str(side)
+    with pytest.raises(AgentConfigError, match=f"{key}: expected files other than the ledger and its WAL"):
         parse_agent_config(cfg, simulation=True)
+
+
+def test_the_marks_lock_file_is_never_the_ledger(tmp_path: Path) -> None:
+    """The mark is kept with a lock file beside it, ``<mark>.lock``: that may not be the ledger either."""
+    cfg = two_federations(tmp_path)
+    cfg["ledger-path"] = str(tmp_path / "mark.lock")
+    cfg["ledger-high-water"] = str(tmp_path / "mark")
+    with pytest.raises(AgentConfigError, match="ledger-high-water: expected files other than the ledger"):
+        parse_agent_config(cfg, simulation=True)
+
+
+def test_a_link_made_after_the_configuration_was_read_is_refused_at_open(tmp_path: Path) -> None:
+    cfg = two_federations(tmp_path)
+    Agent(parse_agent_config(cfg, simulation=True)).close()
+    cfg["audit-log"] = str(tmp_path / "audit.jsonl")
+    config = parse_agent_config(cfg, simulation=True)
+    os.link(cfg["ledger-path"], tmp_path / "audit.jsonl")
+    with pytest.raises(AgentConfigError, match="audit-log: expected files other than the ledger"):
+        Agent(config)

@@ -519,7 +519,7 @@ class TestDurabilityAndConcurrency:
             assert second.lookup("req-3") is not None
             with pytest.raises(
                 LedgerError,
-                match=r"the one the new state was computed from .* another process committed",
+                match=r"the ledger as the new state was computed from it .* another process committed",
             ):
                 second.commit(
                     request_id="req-4",
@@ -539,11 +539,13 @@ class TestDurabilityAndConcurrency:
         state computed from the earlier read be written over a commit made in between."""
         with Ledger.open(ledger_path, make_config()) as first, Ledger.open(ledger_path, make_config()) as second:
             stale = first.state()
-            base = first.last_read_sha
+            base = first.last_read
             commit_round(second, "req-3")  # another handle (another process) charges 0.1
             first.state()  # a second read moves the handle's own record on
-            assert first.last_read_sha != base
-            with pytest.raises(LedgerError, match=r"the one the new state was computed from .* nothing was stored"):
+            assert first.last_read != base
+            with pytest.raises(
+                LedgerError, match=r"the ledger as the new state was computed from it .* nothing was stored"
+            ):
                 first.commit(
                     request_id="req-4",
                     message_type="fit",
@@ -552,9 +554,49 @@ class TestDurabilityAndConcurrency:
                     release={"noise_std": 1.0},
                     new_state={**stale, "spent": stale["spent"] + 0.1},
                     reply=b"x",
-                    base_sha=base,
+                    base=base,
                 )
             np.testing.assert_allclose(first.state()["spent"], np.full(N_UNITS, 0.3))  # req-3's charge stands
+
+    @pytest.mark.parametrize("explicit", [True, False])
+    def test_a_commit_that_leaves_the_state_as_it_was_still_moves_the_base(
+        self, ledger_path: Path, explicit: bool
+    ) -> None:
+        """A commit may leave the state's bytes unchanged and change only a federation's quota row (a unit
+        stopped everywhere, now stopped for that federation too). A request computed from a read before it
+        must not pass the check and write the older quota back (found by a hostile review: a monitor
+        request wrote back 16 stopped units over 20)."""
+
+        def quota(stopped: int) -> dict[str, np.ndarray]:
+            flags = np.arange(N_UNITS) < stopped
+            return {"spent": np.full(N_UNITS, 0.2), "stopped": flags, "halt_round": np.where(flags, 3, -1)}
+
+        def commit(handle: Ledger, request_id: str, stopped: int, **base: Any) -> None:
+            state = {**fresh_state(), "spent": np.full(N_UNITS, 0.2)}  # the same bytes at every commit
+            handle.commit(
+                request_id=request_id,
+                message_type="fit",
+                run_id="run-1",
+                digest=digest(request_id),
+                release={"noise_std": 1.0},
+                new_state=state,
+                reply=b"x",
+                federation="alpha",
+                quota_state=quota(stopped),
+                **base,
+            )
+
+        with Ledger.open(ledger_path, make_config()) as first, Ledger.open(ledger_path, make_config()) as second:
+            commit(first, "q1", 2)
+            base = first.last_read
+            second.state()
+            commit(second, "q2", 4)  # the same state bytes; alpha's quota stops two more units
+            assert second.last_read.sha == base.sha
+            given = {"base": base} if explicit else {}  # the default: what this handle last read (q1's commit)
+            with pytest.raises(LedgerError, match=r"3 requests\), found sha256 \w+, 4 requests: another process"):
+                commit(first, "q3", 2, **given)
+            stored = first.quota_state("alpha")
+            assert stored is not None and int(stored["stopped"].sum()) == 4  # q2's quota stands
 
     def test_two_processes_committing_lose_no_charge(self, ledger_path: Path, tmp_path: Path) -> None:
         # Both workers start together (a file barrier) and pause between reading and committing,
