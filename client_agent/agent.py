@@ -35,7 +35,7 @@ from numpy.typing import NDArray
 from client_agent import model_cache, secagg_client
 from client_agent.config import AgentConfig, AgentConfigError, Federation, PolicyError, check_side_files
 from client_agent.identity import load_identity, load_peers
-from client_agent.ledger import FederationLedger, Ledger, LedgerConfig, LedgerError, qualified_id
+from client_agent.ledger import FederationLedger, Ledger, LedgerConfig, LedgerError, StateRead, qualified_id
 from client_agent.records import GaussianRecord, MonitorRecord, RealisationRecord
 from client_agent.state import AgentState
 from client_agent.streaming import Contributions, RowContributions, StreamedGradients, contributions_of
@@ -378,8 +378,13 @@ class Agent:
                     outcome = Outcome(*unpack_reply(stored.reply))
                 else:
                     with model_cache.scope(fed.name):  # public derivations of the model, per federation
+                        # The state is read before the policy counts this federation's requests: a request
+                        # committed by another process after this read (and so after the counts) makes this
+                        # one's commit refused, so concurrent processes cannot together pass a rate limit.
+                        state = AgentState.from_arrays(self.ledger.state())
+                        read = self.ledger.last_read
                         self.check_policy(request, fed)
-                        outcome = self.answer(request, digest, fed)
+                        outcome = self.answer(request, digest, fed, read=(state, read))
         except Exception as exc:
             # Nothing left the client: the reply is released only after a successful commit, and
             # the commit is one transaction. A repeat with the same id is answered afresh.
@@ -553,11 +558,22 @@ class Agent:
 
     # -- answering ------------------------------------------------------------------------
 
-    def answer(self, request: wire.Request, digest: str, federation: Federation | None = None) -> Outcome:
+    def answer(
+        self,
+        request: wire.Request,
+        digest: str,
+        federation: Federation | None = None,
+        *,
+        read: tuple[AgentState, StateRead] | None = None,
+    ) -> Outcome:
+        """Answer ``request``: compute, charge, commit, reply. ``read``: the ledger's state and what that read saw,
+        when the caller read it (before its policy checks); else read here. The commit refuses unless the ledger
+        is still as that read saw it."""
         fed = federation or self.config.served[0]
         scoped = FederationLedger(self.ledger, fed.name)
-        state = AgentState.from_arrays(self.ledger.state())
-        read = self.ledger.last_read  # the commit refuses unless the ledger is still as this read saw it
+        if read is None:
+            read = (AgentState.from_arrays(self.ledger.state()), self.ledger.last_read)
+        state, base = read
         quota = self.quota_state(fed.name, state)
         new_state, new_quota = state, quota
         if isinstance(request, wire.SecaggKeysRequest):
@@ -616,7 +632,7 @@ class Agent:
             release=release.to_arrays(),
             new_state=new_state.to_arrays(),
             reply=blob,
-            base=read,
+            base=base,
         )
         fault_point("after_commit")
         self._audit_entry = self._charged(state, new_state, quota, new_quota, release.to_arrays(), len(blob))

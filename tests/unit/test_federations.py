@@ -441,6 +441,48 @@ def test_every_request_answered_or_refused_leaves_one_audit_line_and_no_data(tmp
     agent.close()
 
 
+def test_concurrent_processes_cannot_together_pass_a_rate_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """policy-max-rounds-per-run = 1: another process answering the run's one request after this one counted
+    the run's requests must make this one's commit refused (the state is read before the counts; found by a
+    hostile review: N processes could answer N requests of a one-request run)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    other = textwrap.dedent(
+        """
+        import json, sys
+        from client_agent.agent import Agent
+        from client_agent.config import parse_agent_config
+        from protocol import messages as wire
+        from tests.factories import gradient_request
+        agent = Agent(parse_agent_config(json.loads(sys.argv[1]), simulation=True))
+        request = gradient_request("x2", trust="central", run_id="one", noise_std=4.0)
+        assert not agent.handle(wire.message_type_of(request), *wire.encode_request(request), "alpha").is_error
+        agent.close()
+        """
+    )
+    cfg = two_federations(tmp_path, **{"policy-max-rounds-per-run": 1})
+    agent = Agent(parse_agent_config(cfg, simulation=True))
+    count = agent.ledger.requests_in_run
+
+    def requests_in_run(run_id: str, federation: str | None = None) -> int:  # the window: after the count
+        used = count(run_id, federation)
+        root = Path(__file__).resolve().parents[2]
+        subprocess.run([sys.executable, "-c", other, json.dumps(cfg)], check=True, cwd=root, timeout=120)
+        return used
+
+    monkeypatch.setattr(agent.ledger, "requests_in_run", requests_in_run)
+    outcome = ask(agent, gradient_request("x1", trust="central", run_id="one", noise_std=4.0), "alpha")
+    assert outcome.error_code == wire.ERR_LEDGER and "another process committed" in outcome.local_detail
+    path = agent.ledger.path
+    agent.close()
+    with Ledger.open_existing(path) as ledger:
+        assert ledger.requests_in_run("one") == 1  # the run's one request, the other process's
+
+
 @pytest.mark.parametrize("key", ["audit-log", "ledger-high-water"])
 @pytest.mark.parametrize("spelling", ["same", "wal", "dotdot", "symlink", "hardlink"])
 def test_the_audit_log_and_the_mark_are_never_the_ledger(tmp_path: Path, key: str, spelling: str) -> None:
