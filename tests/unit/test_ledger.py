@@ -46,6 +46,20 @@ def commit_round(ledger: Ledger, request_id: str, *, run_id: str = "run-1", spen
     )
 
 
+def commit_from(ledger: Ledger, state: dict[str, np.ndarray], request_id: str, **extra: Any) -> None:
+    """Commit a new state computed from ``state`` (0.1 more spent), as a request read it."""
+    ledger.commit(
+        request_id=request_id,
+        message_type="fit",
+        run_id="run-1",
+        digest=digest(request_id),
+        release={"noise_std": 1.0},
+        new_state={**state, "spent": state["spent"] + 0.1},
+        reply=b"x",
+        **extra,
+    )
+
+
 def assert_states_equal(found: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
     assert sorted(found) == sorted(expected)
     for name, array in expected.items():
@@ -521,15 +535,7 @@ class TestDurabilityAndConcurrency:
                 LedgerError,
                 match=r"the ledger as the new state was computed from it .* another process committed",
             ):
-                second.commit(
-                    request_id="req-4",
-                    message_type="fit",
-                    run_id="run-1",
-                    digest=digest("req-4"),
-                    release={"noise_std": 1.0},
-                    new_state={**stale, "spent": stale["spent"] + 0.1},
-                    reply=b"x",
-                )
+                commit_from(second, stale, "req-4")
             assert second.lookup("req-4") is None
             commit_round(second, "req-4")  # reads the fresh state first
             np.testing.assert_allclose(first.state()["spent"], np.full(N_UNITS, 0.4))
@@ -546,16 +552,7 @@ class TestDurabilityAndConcurrency:
             with pytest.raises(
                 LedgerError, match=r"the ledger as the new state was computed from it .* nothing was stored"
             ):
-                first.commit(
-                    request_id="req-4",
-                    message_type="fit",
-                    run_id="run-1",
-                    digest=digest("req-4"),
-                    release={"noise_std": 1.0},
-                    new_state={**stale, "spent": stale["spent"] + 0.1},
-                    reply=b"x",
-                    base=base,
-                )
+                commit_from(first, stale, "req-4", base=base)
             np.testing.assert_allclose(first.state()["spent"], np.full(N_UNITS, 0.3))  # req-3's charge stands
 
     @pytest.mark.parametrize("explicit", [True, False])
@@ -572,19 +569,8 @@ class TestDurabilityAndConcurrency:
             return {"spent": np.full(N_UNITS, 0.2), "stopped": flags, "halt_round": np.where(flags, 3, -1)}
 
         def commit(handle: Ledger, request_id: str, stopped: int, **base: Any) -> None:
-            state = {**fresh_state(), "spent": np.full(N_UNITS, 0.2)}  # the same bytes at every commit
-            handle.commit(
-                request_id=request_id,
-                message_type="fit",
-                run_id="run-1",
-                digest=digest(request_id),
-                release={"noise_std": 1.0},
-                new_state=state,
-                reply=b"x",
-                federation="alpha",
-                quota_state=quota(stopped),
-                **base,
-            )
+            same = {**fresh_state(), "spent": np.full(N_UNITS, 0.1)}  # 0.2 spent: the same bytes at every commit
+            commit_from(handle, same, request_id, federation="alpha", quota_state=quota(stopped), **base)
 
         with Ledger.open(ledger_path, make_config()) as first, Ledger.open(ledger_path, make_config()) as second:
             commit(first, "q1", 2)
