@@ -438,9 +438,9 @@ class Ledger:
             conn = sqlite3.connect(
                 path.absolute().as_uri() + "?mode=rw", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000
             )
-        except sqlite3.Error as exc:
+        except sqlite3.Error as exc:  # SQLite could not open the file (descriptors, permissions): not its content
             _HELD.release(held)
-            raise _corrupt(path, exc) from exc
+            raise LedgerError(f"ledger {path}: expected to open it, found SQLite's error: {exc}") from exc
         try:
             contents = _check_contents(path, conn)
             if contents.foreign and not allow_foreign:
@@ -959,8 +959,8 @@ def _check_header(path: Path) -> tuple[int, int]:
     """
     try:
         key, header = _HELD.hold(path)
-    except OSError as exc:
-        raise _corrupt(path, exc) from exc
+    except OSError as exc:  # not the file's fault (out of descriptors, permissions, gone): say so, not "corrupt"
+        raise LedgerError(f"ledger {path}: expected to read its header, found the OS error {exc}") from exc
     if not header:
         _HELD.release(key)
         raise _corrupt(path, "expected an SQLite database, found an empty (0-byte) file")

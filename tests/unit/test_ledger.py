@@ -743,6 +743,35 @@ class TestOneProcessTwoHandles:
         with Ledger.open_existing(ledger_path) as again:  # the copy, opened whole, is the same ledger
             assert again.requests_answered() == 2
 
+    @pytest.mark.parametrize("where", ["header", "sqlite"])
+    def test_running_out_of_descriptors_is_not_called_corruption(
+        self, ledger_path: Path, where: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An OS error opening the file (here: no descriptor left) is reported as what it is, not as a corrupt
+        ledger, whether the header's open or SQLite's meets it; nothing stays held."""
+        import errno
+
+        from client_agent import ledger as ledger_module
+
+        def no_descriptor(*args: Any, **kwargs: Any) -> Any:
+            if where == "header":
+                raise OSError(errno.EMFILE, "Too many open files")
+            raise sqlite3.OperationalError("unable to open database file")
+
+        before = ledger_module._HELD.holding()
+        target = (ledger_module.os, "open") if where == "header" else (ledger_module.sqlite3, "connect")
+        with monkeypatch.context() as patched:
+            patched.setattr(*target, no_descriptor)
+            with pytest.raises(LedgerError) as refused:
+                Ledger.open_existing(ledger_path)
+        expected = (
+            "read its header, found the OS error .*Too many open" if where == "header" else "open it, found SQLite"
+        )
+        assert re.search(f"expected to ({expected})", str(refused.value)), refused.value
+        assert "corrupt" not in str(refused.value) and ledger_module._HELD.holding() == before
+        with Ledger.open_existing(ledger_path) as again:
+            assert again.requests_answered() == 2
+
     def test_closing_with_an_unfinished_log_leaves_no_file_open(self, ledger_path: Path) -> None:
         """A log() or releases() left unfinished keeps a statement open: the connection's close would leave
         SQLite's files open after the header descriptor closed, unheld. The handle closes its cursors first."""
