@@ -772,6 +772,34 @@ class TestOneProcessTwoHandles:
         with Ledger.open_existing(ledger_path) as again:
             assert again.requests_answered() == 2
 
+    def test_a_ledger_with_two_names_is_refused(self, ledger_path: Path, tmp_path: Path) -> None:
+        """SQLite keeps a WAL per name: through a hard link, two processes would commit to one file through two
+        logs, each blind to the other's, and one charge would be lost (found by a hostile review: 0.3 spent
+        fell to 0.1). Refused at open, and at a commit when the name was added after the open."""
+        alias = tmp_path / "alias.sqlite"
+        os.link(ledger_path, alias)
+        for path in (ledger_path, alias):
+            with pytest.raises(LedgerError, match="expected a file with one name, found 2 hard links"):
+                Ledger.open_existing(path)
+        alias.unlink()
+        with Ledger.open(ledger_path, make_config()) as ledger:
+            os.link(ledger_path, alias)
+            with pytest.raises(LedgerError, match="expected a file with one name, found 2 hard links"):
+                commit_round(ledger, "req-3")
+            alias.unlink()
+            assert ledger.lookup("req-3") is None
+            commit_round(ledger, "req-3")
+            np.testing.assert_allclose(ledger.state()["spent"], np.full(N_UNITS, 0.3))
+
+    def test_a_creations_leftover_name_is_removed(self, ledger_path: Path) -> None:
+        """A creation killed between linking its temporary file into place and unlinking it leaves that name:
+        it is the ledger's own, so an open removes it (any other second name is refused)."""
+        leftover = ledger_path.with_name(f".{ledger_path.name}.creating-123-abcd")
+        os.link(ledger_path, leftover)
+        with Ledger.open(ledger_path, make_config()) as ledger:
+            assert ledger.requests_answered() == 2
+        assert not leftover.exists() and os.stat(ledger_path).st_nlink == 1
+
     def test_closing_with_an_unfinished_log_leaves_no_file_open(self, ledger_path: Path) -> None:
         """A log() or releases() left unfinished keeps a statement open: the connection's close would leave
         SQLite's files open after the header descriptor closed, unheld. The handle closes its cursors first."""
