@@ -564,15 +564,12 @@ class Agent:
         digest: str,
         federation: Federation | None = None,
         *,
-        read: tuple[AgentState, StateRead] | None = None,
+        read: tuple[AgentState, StateRead],
     ) -> Outcome:
         """Answer ``request``: compute, charge, commit, reply. ``read``: the ledger's state and what that read saw,
-        when the caller read it (before its policy checks); else read here. The commit refuses unless the ledger
-        is still as that read saw it."""
+        taken by the caller before its policy checks; the commit refuses unless the ledger is still as it saw."""
         fed = federation or self.config.served[0]
         scoped = FederationLedger(self.ledger, fed.name)
-        if read is None:
-            read = (AgentState.from_arrays(self.ledger.state()), self.ledger.last_read)
         state, base = read
         quota = self.quota_state(fed.name, state)
         new_state, new_quota = state, quota

@@ -454,8 +454,8 @@ class Ledger:
             _set_durable_pragmas(path, conn)
             try:
                 now = os.stat(path)
-            except OSError as exc:
-                raise _corrupt(path, exc) from exc
+            except OSError as exc:  # gone or unreadable since the header was read: an OS error, not corruption
+                raise LedgerError(f"ledger {path}: expected to find it again after connecting, found {exc}") from exc
             if (now.st_dev, now.st_ino) != held:  # the connection's file is the one its descriptor holds
                 raise LedgerError(
                     f"ledger {path}: expected the file whose header was checked, found another one at the path "
