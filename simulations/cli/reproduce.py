@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -10,7 +12,9 @@ import re
 import subprocess
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from simulations.cli.arguments import Subparsers
 from simulations.errors import SimulationError
@@ -23,11 +27,13 @@ from simulations.reproductions.fz_sec51 import (
     Job,
     append_result,
     append_results,
+    campaign_jobs,
     campaign_trials,
     cell,
+    finished,
     job_summary,
     load_results,
-    next_job,
+    pending_jobs,
     plot_accuracy,
     plot_fig1,
     report_markdown,
@@ -40,6 +46,7 @@ log = logging.getLogger(__name__)
 # ``fz-mnist --campaign --once`` exit codes: a shell loop runs it until it returns non-zero.
 CAMPAIGN_NOTHING_LEFT = 3
 CAMPAIGN_STUCK = 4  # the same job failed twice: stop rather than loop on it
+CAMPAIGN_ALL_HELD = 5  # every job that can start now is held by another worker (try again later)
 COMMIT_ATTEMPTS = 10
 
 
@@ -78,6 +85,14 @@ def add_parser(sub: Subparsers) -> None:
     run.add_argument("--once", action="store_true", help="--campaign: run the next unfinished job, then exit")
     run.add_argument(
         "--commit", action="store_true", help="--campaign: git commit --results after every job (nothing else)"
+    )
+    run.add_argument(
+        "--threads",
+        type=int,
+        help=(
+            "--campaign: torch threads (default: one per core). Workers sharing --out and --results take "
+            "different jobs: on 2 cores, two workers at 1 thread each run about 1.3x the steps of one at 2"
+        ),
     )
     run.set_defaults(handler=run_cells)
     rep = rsub.add_parser(
@@ -125,53 +140,109 @@ def run_cells(args: argparse.Namespace) -> int:
 def run_campaign(args: argparse.Namespace) -> int:
     """Issue 26's campaign: the next unfinished job (``--once``) or all of them, each appended when done.
 
-    Exit codes with ``--once``: 0 after a job (or its first failure, so that a shell loop tries it
-    again), CAMPAIGN_NOTHING_LEFT when every job is done, CAMPAIGN_STUCK when the next job has failed twice.
+    Several workers may share ``--out`` and ``--results``: each holds the job it runs (:func:`claim`),
+    and appends and commits under one lock. Exit codes with ``--once``: 0 after a job (or its first
+    failure, so that a shell loop tries it again), CAMPAIGN_NOTHING_LEFT when every job is done,
+    CAMPAIGN_STUCK when the next job has failed twice, CAMPAIGN_ALL_HELD when every job that can start
+    is another worker's.
     """
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    if args.threads is not None and args.threads < 1:
+        raise SimulationError(f"--threads: expected an integer >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     engine = args.engine or "inprocess"
     failures_path = args.out / "campaign-failures.jsonl"
     while True:
         rows = load_results(args.results)
-        job = next_job(rows)
-        if job is None:
+        if all(finished(j, rows) for j in campaign_jobs(rows)):
             log.info("fz-mnist campaign: every job is in %s", args.results)
             return CAMPAIGN_NOTHING_LEFT
+        taken = _take_job(args, rows, failures_path)
+        if isinstance(taken, int):
+            return taken
+        job, hold, rows = taken
+        with hold:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+            prefix = job_prefix(job)
+            earlier = resumable_attempt(args.out / "campaign", prefix)
+            out = earlier if earlier is not None else args.out / "campaign" / f"{prefix}-{stamp}"
+            log.info(
+                "fz-mnist campaign: %s -> %s (engine %s, %d torch threads)%s",
+                job.key,
+                out,
+                engine,
+                torch.get_num_threads(),
+                "" if earlier is None else ", going on from its snapshot",
+            )
+            try:
+                resume = None if earlier is None else earlier / SNAPSHOT
+                new = run_job(job, out=out, data_dir=args.data_dir, engine=engine, rows=rows, resume=resume)
+            except Exception as exc:  # recorded, then tried once more by the next call
+                log.info("fz-mnist campaign: %s failed: %s\n%s", job.key, exc, traceback.format_exc())
+                _record_failure(failures_path, job, exc)
+                if _failures(failures_path, job) >= 2:
+                    return CAMPAIGN_STUCK
+                if args.once:
+                    return 0
+                continue
+            line = job_summary(job, new)
+            with _locked(args.out / "campaign" / "results.lock"):  # one worker's rows and commit at a time
+                append_results(args.results, new)
+                log.info("fz-mnist campaign: done %s (%.0f s); appended to %s", line, new[-1]["wall_s"], args.results)
+                if args.commit:
+                    commit_results(args.results, f"fz-mnist campaign: {line}")
+        if args.once:
+            return 0
+
+
+def _take_job(
+    args: argparse.Namespace, rows: list[dict[str, Any]], failures_path: Path
+) -> tuple[Job, BinaryIO, list[dict[str, Any]]] | int:
+    """The first job that can start and no other worker holds, held (with the rows read after taking it);
+    or the exit code when there is none: CAMPAIGN_STUCK (it failed twice) or CAMPAIGN_ALL_HELD."""
+    for job in pending_jobs(rows):
         if _failures(failures_path, job) >= 2:
             log.info("fz-mnist campaign: %s failed twice (%s); stopping", job.key, failures_path)
             return CAMPAIGN_STUCK
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        prefix = job.key.replace("/", "_").replace(",", "_")
-        earlier = resumable_attempt(args.out / "campaign", prefix)
-        out = earlier if earlier is not None else args.out / "campaign" / f"{prefix}-{stamp}"
-        log.info(
-            "fz-mnist campaign: %s -> %s (engine %s, %d torch threads)%s",
-            job.key,
-            out,
-            engine,
-            torch.get_num_threads(),
-            "" if earlier is None else ", going on from its snapshot",
-        )
-        try:
-            resume = None if earlier is None else earlier / SNAPSHOT
-            new = run_job(job, out=out, data_dir=args.data_dir, engine=engine, rows=rows, resume=resume)
-        except Exception as exc:  # recorded, then tried once more by the next call
-            log.info("fz-mnist campaign: %s failed: %s\n%s", job.key, exc, traceback.format_exc())
-            _record_failure(failures_path, job, exc)
-            if _failures(failures_path, job) >= 2:
-                return CAMPAIGN_STUCK
-            if args.once:
-                return 0
+        hold = claim(args.out / "campaign" / "claims", job)
+        if hold is None:
             continue
-        append_results(args.results, new)
-        line = job_summary(job, new)
-        log.info("fz-mnist campaign: done %s (%.0f s); appended to %s", line, new[-1]["wall_s"], args.results)
-        if args.commit:
-            commit_results(args.results, f"fz-mnist campaign: {line}")
-        if args.once:
-            return 0
+        now = load_results(args.results)  # another worker may have finished it since ``rows`` was read
+        if finished(job, now):
+            hold.close()
+            continue
+        return job, hold, now
+    log.info("fz-mnist campaign: every job that can start now is held by another worker")
+    return CAMPAIGN_ALL_HELD
+
+
+def job_prefix(job: Job) -> str:
+    """The start of the names of ``job``'s folders and of its claim (its key, without '/' and ',')."""
+    return job.key.replace("/", "_").replace(",", "_")
+
+
+def claim(claims: Path, job: Job) -> BinaryIO | None:
+    """This process's hold on ``job`` (an exclusive lock on its file in ``claims``), or None when another
+    worker holds it. Closing the file lets it go; so does the process's end, so a worker stopped mid-job
+    (a session's end) leaves no stale claim, and its snapshot is taken up by whoever holds the job next."""
+    claims.mkdir(parents=True, exist_ok=True)
+    hold = (claims / f"{job_prefix(job)}.lock").open("ab")
+    try:
+        fcntl.flock(hold.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        hold.close()
+        return None
+    return hold
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created if missing) while the block runs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        yield
 
 
 _STAMP = re.compile(r"\d{8}-\d{6}")  # a campaign folder's time stamp, YYYYmmdd-HHMMSS (UTC)

@@ -623,9 +623,23 @@ def campaign_jobs(rows: list[dict[str, Any]]) -> list[Job]:
     return jobs
 
 
+def twin(job: Job) -> Job:
+    """The gd+renyi run of ``job``'s cell and seed (a 'gdp' job branches from its model at GD's last step)."""
+    return Job(job.kind, job.epsilon, job.regime, "gd+renyi", job.seed, job.tuned)
+
+
+def pending_jobs(rows: list[dict[str, Any]]) -> list[Job]:
+    """The jobs of :func:`campaign_jobs` whose rows are not all in ``rows`` and that can start now, in order.
+
+    A 'gdp' job waits for its twin (:func:`twin`) to finish: run alongside it (a second worker), it
+    would find nothing to branch from and start from round 1. One worker never waits (twins come first).
+    """
+    return [j for j in campaign_jobs(rows) if not finished(j, rows) and (j.method != "gdp" or finished(twin(j), rows))]
+
+
 def next_job(rows: list[dict[str, Any]]) -> Job | None:
-    """The first job of :func:`campaign_jobs` whose rows are not all in ``rows``."""
-    return next((j for j in campaign_jobs(rows) if not finished(j, rows)), None)
+    """The first job of :func:`pending_jobs` (None when none can start)."""
+    return next(iter(pending_jobs(rows)), None)
 
 
 def _stamp(job: Job, row: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -736,15 +750,15 @@ def _recorded_branch(out: Path) -> tuple[Branch, dict[str, Any]] | None:
 
 def branch_source(job: Job, rows: list[dict[str, Any]]) -> tuple[Branch, dict[str, Any]] | None:
     """The finished gd+renyi run of ``job``'s cell and seed to branch from (its GD row), if its folder is here."""
-    twin = Job(job.kind, job.epsilon, job.regime, "gd+renyi", job.seed, job.tuned)
-    gd_rows = [r for r in rows if r.get("job") == twin.key and r.get("method") == "gd" and r.get("out")]
+    source = twin(job)
+    gd_rows = [r for r in rows if r.get("job") == source.key and r.get("method") == "gd" and r.get("out")]
     for r in reversed(gd_rows):
         steps = int(r["gd_steps"])
         checkpoint = Path(r["out"]) / "checkpoints" / f"round_{steps:05d}.npz"
         ledgers = Path(r["out"]) / "ledgers"
         if checkpoint.is_file() and all((ledgers / f"client{pid}.sqlite").is_file() for pid in range(CLIENTS)):
             return Branch(checkpoint, ledgers, steps), r
-    log.info("%s: no gd+renyi run to branch from (%s); running from round 1", job.key, twin.key)
+    log.info("%s: no gd+renyi run to branch from (%s); running from round 1", job.key, source.key)
     return None
 
 

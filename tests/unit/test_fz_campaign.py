@@ -39,6 +39,7 @@ from simulations.reproductions.fz_sec51 import (
     finished,
     load_results,
     next_job,
+    pending_jobs,
     report_markdown,
     run_job,
     select_step,
@@ -541,5 +542,109 @@ def test_campaign_once_runs_one_job_stops_on_a_second_failure_and_when_done(
     assert main(args) == reproduce.CAMPAIGN_STUCK and len(ran) == 3  # not tried a third time
     failures = (out / "campaign-failures.jsonl").read_text().splitlines()
     assert [json.loads(f)["job"] for f in failures] == [tuning_jobs()[0].key] * 2
-    monkeypatch.setattr(reproduce, "next_job", lambda rows: None)
+    monkeypatch.setattr(reproduce, "campaign_jobs", lambda rows: [])
     assert main(args) == reproduce.CAMPAIGN_NOTHING_LEFT
+
+
+def test_a_gdp_job_waits_until_its_gd_renyi_twin_has_finished() -> None:
+    rows = [*fake_prefix_rows(fz.prefix_check_job()), *all_tuned()]
+    jobs = campaign_jobs(rows)
+    renyi = [j for j in jobs if j.kind == KIND_TRIAL and j.method == "gd+renyi"]
+    late = renyi[-1]  # seed 2, tuned, epsilon 1.0: the last gd+renyi run
+    rows += [trial_row(j, m, 0.9) for j in renyi[:-1] for m in j.row_methods]
+    pending = pending_jobs(rows)
+    waiting = Job(late.kind, late.epsilon, late.regime, "gdp", late.seed, late.tuned)
+    assert fz.twin(waiting) == late
+    # Another worker may start every GDP job but the one that would branch from the run not yet finished.
+    assert late in pending and waiting not in pending
+    assert [j.method for j in pending] == ["gd+renyi"] + ["gdp"] * 17
+    rows += [trial_row(late, m, 0.9) for m in late.row_methods]
+    assert waiting in pending_jobs(rows) and next_job(rows) == jobs[-18]  # the GDP column in order
+
+
+def fake_prefix_rows(job: Job) -> list[dict[str, Any]]:
+    return [
+        {"kind": KIND_PREFIX, "job": job.key, "method": job.method, "epsilon": 0.3}
+        | {"gd_steps": 8, "parameters_equal": True, "max_abs_difference": 0.0, "wall_s": 1.0}
+    ]
+
+
+def test_workers_sharing_a_campaign_take_different_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from simulations.cli import reproduce
+
+    results, out = tmp_path / "r.jsonl", tmp_path / "out"
+    ran: list[str] = []
+
+    def fake_run(job: Job, **_: Any) -> list[dict[str, Any]]:
+        ran.append(job.key)
+        if job.kind == KIND_TUNE:
+            return [tune_row(job, 0.9) | {"wall_s": 1.0}]
+        return fake_prefix_rows(job)
+
+    monkeypatch.setattr(reproduce, "run_job", fake_run)
+    args = ["reproduce", "fz-mnist", "--campaign", "--once", "--results", str(results), "--out", str(out)]
+    claims = out / "campaign" / "claims"
+    first, second, third = fz.prefix_check_job(), *tuning_jobs()[:2]
+    other = reproduce.claim(claims, first)  # another worker runs the first job
+    assert other is not None and reproduce.claim(claims, first) is None  # held: no second hold, even here
+    assert main(args) == 0 and ran == [second.key]  # this worker takes the next job
+    held = [reproduce.claim(claims, j) for j in tuning_jobs()[1:]]
+    assert all(h is not None for h in held)
+    assert main(args) == reproduce.CAMPAIGN_ALL_HELD and ran == [second.key]  # nothing left to take now
+    other.close()  # the other worker stops (or dies: the lock goes with its process)
+    assert main(args) == 0 and ran == [second.key, first.key]
+    for h in held:
+        assert h is not None
+        h.close()
+
+    # A job another worker finishes between this worker's reading the rows and its taking the job is
+    # not run again: the rows are read once more after the hold is taken.
+    real_claim = reproduce.claim
+
+    def finished_meanwhile(where: Path, job: Job) -> Any:
+        if job == third:
+            append_results(results, [tune_row(job, 0.9)])
+        return real_claim(where, job)
+
+    monkeypatch.setattr(reproduce, "claim", finished_meanwhile)
+    assert main(args) == 0 and ran == [second.key, first.key, tuning_jobs()[2].key]
+    keys = [r["job"] for r in load_results(results)]
+    assert keys.count(third.key) == 1 and len(keys) == len(set(keys))
+
+
+def test_a_claim_goes_with_the_process_that_held_it(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from simulations.cli import reproduce
+
+    claims, job = tmp_path / "claims", fz.prefix_check_job()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from simulations.cli.reproduce import claim; "
+            "from simulations.reproductions.fz_sec51 import prefix_check_job; "
+            "h = claim(Path(sys.argv[1]), prefix_check_job()); print(h is not None, flush=True); time.sleep(60)",
+            str(claims),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "True"
+        assert reproduce.claim(claims, job) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    hold = reproduce.claim(claims, job)  # killed mid-job (a session's end): no stale claim
+    assert hold is not None
+    hold.close()
+
+
+def test_campaign_threads_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["reproduce", "fz-mnist", "--campaign", "--once", "--threads", "0", "--results", str(tmp_path / "r.jsonl")]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 2
+    assert "--threads: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before any job was taken
