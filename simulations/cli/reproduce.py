@@ -91,7 +91,7 @@ def add_parser(sub: Subparsers) -> None:
         type=int,
         help=(
             "--campaign: torch threads (default: one per core). Workers sharing --out and --results take "
-            "different jobs: on 2 cores, two workers at 1 thread each run about 1.3x the steps of one at 2"
+            "different jobs: on 2 cores, two workers at 1 thread each ran 1.25x the steps of one at 2 (docs/results.md)"
         ),
     )
     run.set_defaults(handler=run_cells)
