@@ -12,6 +12,7 @@ two-pass sum, with weights that depend on each record's norm (partial clipping) 
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import subprocess
@@ -345,6 +346,41 @@ def test_chunk_size_does_not_change_results() -> None:
         n, _ = record_norms(model, LOSS, ArraySource(x, y), chunk_size=chunk)
         np.testing.assert_allclose(n, base_n, rtol=1e-6)
         assert rel(weighted_gradient_sum(model, LOSS, ArraySource(x, y), w, chunk_size=chunk), base_s) <= 1e-6
+
+
+def test_the_engine_keeps_a_channels_last_model_in_its_layout_and_gives_the_nchw_values() -> None:
+    """The built-in MNIST CNN is channels-last with exact strides (a one-channel weight too, else the first
+    convolution picks the slow NCHW kernels); the engine's parameters and the agent's fresh, loaded copy keep
+    that layout; norms and clipped sum equal the NCHW model's and the per-example loop's (float32 rounding)."""
+    from client_agent.isolation import PerRecord
+    from client_agent.model_cache import ModelCache
+    from workloads.builtin import BUILTIN
+    from workloads.models import flatten_parameters, load_flat_parameters
+
+    model = build_model("opacus_mnist_cnn", seed=0)  # Conv2d(1, 16, 8) and Conv2d(16, 32, 4), max pooling
+    convs = ("0.weight", "3.weight")
+    last = {n: torch.empty_like(model.get_parameter(n), memory_format=torch.channels_last).stride() for n in convs}
+    assert all(model.get_parameter(n).stride() == last[n] for n in convs)
+    fresh = ModelCache().fresh(BUILTIN, "opacus_mnist_cnn", "{}")  # as the agent builds a request's model
+    load_flat_parameters(fresh, flatten_parameters(model))
+    engine = PerRecord(fresh, LOSS, torch.device("cpu"))
+    assert all(engine.params[n].stride() == last[n] for n in convs)
+    nchw = copy.deepcopy(model).to(memory_format=torch.contiguous_format)
+    assert nchw.get_parameter("0.weight").stride() != last["0.weight"]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), nchw.parameters(), strict=True))
+
+    def weights(start: int, norms: np.ndarray) -> np.ndarray:  # partial clipping: weights depend on the norm
+        return np.minimum(1.0, 0.5 / np.maximum(norms, 1e-12))
+
+    x = torch.randn(40, 1, 28, 28, generator=torch.Generator().manual_seed(3)).numpy()
+    y = np.arange(40) % 10
+    norms, total, _ = fused_clipped_sum(fresh, LOSS, ArraySource(x, y), weights)
+    nchw_norms, nchw_total, _ = fused_clipped_sum(nchw, LOSS, ArraySource(x, y), weights)
+    np.testing.assert_allclose(norms, nchw_norms, rtol=1e-5)
+    assert rel(total, nchw_total) <= 1e-5
+    rows = per_example_gradients(nchw, LOSS, torch.from_numpy(x), torch.from_numpy(y)).double().numpy()
+    np.testing.assert_allclose(norms, np.linalg.norm(rows, axis=1), rtol=1e-5)
+    assert rel(total, weights(0, norms) @ rows) <= 1e-5
 
 
 def test_null_records_have_norm_zero_and_contribute_nothing() -> None:
