@@ -788,8 +788,9 @@ class Agent:
 
         Record-unit gradients are :class:`client_agent.streaming.StreamedGradients` (one fused pass over
         the records in chunks, run by :meth:`release`: norms, weights, clipped sum); never an (n, d) matrix.
-        ``stopped`` (one flag per unit): for a query that runs the model, their records never reach it
-        (the gradient engine gets the same from :meth:`release`).
+        ``stopped`` (one flag per unit): a stopped unit's records never reach the owner's code (a query's
+        rows, the model, the loss, the validity rule): client-unit gradients and local training run on the
+        null element instead, record-unit gradients get the same from :meth:`release` (privacy.md §2).
         """
         from client_agent.workloads import gradient_contributions, indicator_rows
 
@@ -800,7 +801,9 @@ class Agent:
             # the batches and the noise from one stream, and the contribution would not be
             # independent of its noise (the Gaussian mechanism needs it to be).
             rng = self.rng(request).spawn(1)[0]
-            return contributions_of(local_rows(request, self.x, self.y, rng=rng, workload=self.workload_of(request)))
+            return contributions_of(
+                local_rows(request, self.x, self.y, rng=rng, workload=self.workload_of(request), stopped=stopped)
+            )
         if isinstance(request, wire.GradientRequest):
             return gradient_contributions(
                 request,
@@ -809,6 +812,7 @@ class Agent:
                 workload=self.workload_of(request),
                 device=self.config.device,
                 activation_budget=self.config.policy.max_activation_mb << 20,
+                stopped=stopped,
             )
         workload = self.workload_of(request)
         return contributions_of(
@@ -924,7 +928,7 @@ class Agent:
             )
             active_after = ~q_stopped
             noise = self.rng(request).normal(0.0, sigma, units.dim) if self.config.trust == "local" else None
-            if noise is not None and isinstance(units, StreamedGradients):
+            if noise is not None and units.trainable is not None:
                 noise = or_zero(units.trainable, noise)  # frozen entries are not released: exact zeros
         else:
             assert self.realisation is not None
@@ -939,6 +943,8 @@ class Agent:
             step = decide(self.realisation, rstate, mu=clipped_norms / sigma)
             total = units.weighted_sum(step.participating)
             draw = np.asarray(self.rng(request).normal(0.0, sigma, units.dim), dtype=np.float64)
+            if units.trainable is not None:
+                draw = or_zero(units.trainable, draw)  # frozen entries are not released: exact zeros
             noise = draw
             losses = or_zero(step.participating, realised_loss(contribution=units.rows, noise=draw, noise_std=sigma))
             after = advance(rstate, step, losses=losses)

@@ -126,21 +126,15 @@ class _Tap:
 
     def guard(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """An id outside ``[0, num_embeddings)`` makes its record the null element (its loss times 0) and is
-        looked up as id 0: an error there would refuse the request, uncharged, for one record's value
-        (e.g. "is some category >= k?" for a table size the coordinator chose). ``nn.Embedding`` and
-        ``nn.EmbeddingBag``, their ids passed by position or as ``input=``."""
+        looked up as id 0 (:func:`guarded_ids`)."""
         if not self.mode:
             return None
-        keyword = not args and isinstance(kwargs.get("input"), torch.Tensor)
-        ids = kwargs["input"] if keyword else (args[0] if args else None)
-        if not isinstance(ids, torch.Tensor):
+        guarded = guarded_ids(m, args, kwargs)
+        if guarded is None:
             return None
-        bad = (ids < 0) | (ids >= cast(nn.Embedding, m).num_embeddings)
-        self.bad = self.bad | bad.any()
-        safe = or_zero(~bad, ids)
-        if keyword:
-            return args, {**kwargs, "input": safe}
-        return (safe, *args[1:]), kwargs
+        call, bad = guarded
+        self.bad = self.bad | bad
+        return call
 
     def hook(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         k = self.modules.get(id(m))
@@ -161,6 +155,56 @@ class _Tap:
         # A copy: the owner's forward may modify the input in place after the module read it.
         self.inputs[k] = args[0].detach().clone()
         return out + self.probes[k]
+
+
+def guarded_ids(
+    m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[tuple[Any, ...], dict[str, Any]], torch.Tensor] | None:
+    """A forward pre-hook's body for ``nn.Embedding`` / ``nn.EmbeddingBag`` (ids by position or as ``input=``):
+    the call with every id outside ``[0, num_embeddings)`` looked up as id 0, and whether there was one (a 0-d
+    bool: its unit becomes the null element); None if the call passes no id tensor. An error there would
+    refuse the request, uncharged, for one unit's value (e.g. "is some category >= k?" for a table size the
+    coordinator chose). The same operations for every id, in range or not."""
+    keyword = not args and isinstance(kwargs.get("input"), torch.Tensor)
+    ids = kwargs["input"] if keyword else (args[0] if args else None)
+    if not isinstance(ids, torch.Tensor):
+        return None
+    bad = (ids < 0) | (ids >= cast(nn.Embedding, m).num_embeddings)
+    safe = or_zero(~bad, ids)
+    call = (args, {**kwargs, "input": safe}) if keyword else ((safe, *args[1:]), kwargs)
+    return call, bad.any()
+
+
+class GuardedTables:
+    """Within ``with GuardedTables(model) as g:``, every ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``model`` looks
+    an id outside its table up as 0 and ``g.bad`` says whether any call since entering had one (a 0-d bool).
+
+    For forwards over a whole unit at once (client units: the unit is every record the client holds), where
+    an id outside a table makes the whole unit's contribution the null element, as :class:`_Tap` does for one
+    record.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.tables = [m for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)]
+        self.bad = torch.zeros((), dtype=torch.bool)
+        self._handles: list[Any] = []
+
+    def _hook(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        guarded = guarded_ids(m, args, kwargs)
+        if guarded is None:
+            return None
+        call, bad = guarded
+        self.bad = self.bad | bad.detach()
+        return call
+
+    def __enter__(self) -> GuardedTables:
+        self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.tables]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 def _candidates(model: nn.Module, trainable: set[str]) -> list[tuple[str, nn.Module, LayerKind]]:

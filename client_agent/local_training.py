@@ -29,9 +29,11 @@ from torch.func import functional_call
 
 from client_agent.gradients import LossFn, _check_losses
 from client_agent.layers import rows_where
+from client_agent.streaming import RowContributions, finite_records
 from protocol import messages as wire
 from protocol.branchless import or_zero
 from protocol.validate import integer
+from workloads.models import trainable_mask
 
 if TYPE_CHECKING:  # pragma: no cover
     from workloads.registry import Workload
@@ -41,26 +43,32 @@ ValidFn = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]
 
 
 def null_as_zero(
-    model: nn.Module, x: NDArray[Any], y: NDArray[Any], *, valid: ValidFn | None = None
+    model: nn.Module, x: NDArray[Any], y: NDArray[Any], *, valid: ValidFn | None = None, keep: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Features, targets and loss weights with every null record (privacy.md §1) as zeros, target 0 and weight 0.
 
     ``valid`` (a workload's rule) says which records are usable; by default a record is null when a
     feature is not finite or its label is outside the model's classes (which the coordinator
     chooses), the rule of :func:`client_agent.workloads.gradient_rows`. Refusing a null record
-    would answer a question about it for free.
+    would answer a question about it for free. ``keep`` False (the client is stopped): every record is
+    the null element before the validity rule or the model sees it (privacy.md §2). Float features are
+    read as float32, integer ones as int64 (as the record engine reads them).
     """
-    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    from client_agent.workloads import _unit_tensors
+
+    xt, y_read = _unit_tensors(np.asarray(x), np.asarray(y))
+    finite = finite_records(xt, y_read) & torch.tensor(bool(keep))
+    safe_x = rows_where(finite, xt)
     if valid is None:
         labels = np.asarray(y)
         with torch.no_grad():
             classes = int(model(torch.zeros_like(xt[:1])).shape[-1])
-        usable = np.isfinite(xt.reshape(len(xt), -1).numpy()).all(axis=1) & (labels >= 0) & (labels < classes)
+        usable = finite.numpy() & (labels >= 0) & (labels < classes)
         yt = torch.from_numpy(or_zero(usable, labels.astype(np.int64)))
         weights = torch.from_numpy(usable.astype(np.float32))
     else:
-        yt = torch.from_numpy(np.ascontiguousarray(y))
-        mask = valid(xt, yt, model).reshape(-1).to(torch.bool)
+        yt = rows_where(finite, y_read)
+        mask = finite & valid(safe_x, yt, model).reshape(-1).to(torch.bool)
         yt = rows_where(mask, yt)
         weights = mask.to(torch.float32)
     xt = rows_where(weights > 0, xt)
@@ -78,6 +86,7 @@ def local_update(
     batch_size: int,
     rng: np.random.Generator,
     valid: ValidFn | None = None,
+    keep: bool = True,
 ) -> NDArray[np.float32]:
     """Delta = theta_local - theta after ``steps`` steps of minibatch SGD from ``model``'s parameters, float32 (d,).
 
@@ -88,31 +97,39 @@ def local_update(
     ``valid`` is the workload's usable-record rule (default: :func:`null_as_zero`'s).
     ``model``'s own parameters, buffers and ``.grad`` are left untouched: the steps run on copies.
     A step that overflows leaves a non-finite Delta, which the release treats as the null element.
+    ``keep`` False (the client is stopped): every record is the null element (:func:`null_as_zero`), the same
+    steps run. An id outside an embedding's table is looked up as 0 and makes Delta the null element
+    (exact zeros; :class:`client_agent.isolation.GuardedTables`), never an error. Frozen parameters
+    (``requires_grad`` False) are not moved: their entries of Delta are exact zeros.
     """
+    from client_agent.isolation import GuardedTables
+
     integer("steps", steps, at_least=0, error=ValueError)
     integer("batch_size", batch_size, at_least=1, error=ValueError)
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr <= 0:
         raise ValueError(f"lr: expected a finite number > 0, got {lr!r}")
-    xt, yt, weights = null_as_zero(model, x, y, valid=valid)
+    xt, yt, weights = null_as_zero(model, x, y, valid=valid, keep=keep)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     n = len(yt)
     b = min(batch_size, n)
     start = {name: p.detach().clone().to(torch.float32) for name, p in model.named_parameters()}
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     params = dict(start)
-    for _ in range(steps):
-        idx = torch.from_numpy(rng.choice(n, size=b, replace=False).astype(np.int64))
-        leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
-        losses = _check_losses(loss_fn(functional_call(model, (leaves, buffers), (xt[idx],)), yt[idx]), b)
-        loss = (losses * weights[idx]).sum() / b
-        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-        with torch.no_grad():
-            params = {
-                name: p.detach() if g is None else p.detach() - lr * g
-                for (name, p), g in zip(leaves.items(), grads, strict=True)
-            }
+    with GuardedTables(model) as tables:
+        for _ in range(steps):
+            idx = torch.from_numpy(rng.choice(n, size=b, replace=False).astype(np.int64))
+            leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
+            losses = _check_losses(loss_fn(functional_call(model, (leaves, buffers), (xt[idx],)), yt[idx]), b)
+            loss = (losses * weights[idx]).sum() / b
+            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+            with torch.no_grad():
+                params = {
+                    name: p.detach() if g is None or name not in trainable else p.detach() - lr * g
+                    for (name, p), g in zip(leaves.items(), grads, strict=True)
+                }
     with torch.no_grad():
         delta = torch.cat([(params[name] - start[name]).reshape(-1) for name in start])
-    return delta.numpy().astype(np.float32, copy=False)
+    return or_zero((~tables.bad).numpy(), delta.numpy().astype(np.float32, copy=False))
 
 
 def local_rows(
@@ -123,12 +140,15 @@ def local_rows(
     rng: np.random.Generator,
     loss_fn: LossFn | None = None,
     workload: Workload | None = None,
-) -> NDArray[np.float32]:
-    """The client's one row for a gradient request with ``local_steps`` > 0: its local update, shape (1, d).
+    stopped: NDArray[np.bool_] | None = None,
+) -> RowContributions:
+    """The client's one row for a gradient request with ``local_steps`` > 0: its local update, shape (1, d),
+    with the model's trainable entries (frozen ones are released as exact zeros, noise included).
 
     With ``workload``, the model comes from its registry (checked against the request's layout) and
     the loss and usable-record rule are its own; without, the built-in model table, the gradient
-    path's per-example cross-entropy and its null rule. ``loss_fn`` overrides the loss.
+    path's per-example cross-entropy and its null rule. ``loss_fn`` overrides the loss. ``stopped`` (one
+    flag, the client's): a stopped client trains on the null element (:func:`local_update`'s ``keep``).
     """
     from client_agent.workloads import _cross_entropy, _loaded_model
 
@@ -152,5 +172,6 @@ def local_rows(
         batch_size=request.local_batch_size,
         rng=rng,
         valid=workload.valid if workload is not None else None,
+        keep=stopped is None or not bool(np.asarray(stopped).reshape(-1)[0]),
     )
-    return delta.reshape(1, -1)
+    return RowContributions(delta.reshape(1, -1), trainable=trainable_mask(model))

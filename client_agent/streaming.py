@@ -56,6 +56,7 @@ from client_agent.layers import rows_where
 from client_agent.layers.base import or_zero as where_or_zero
 from protocol.branchless import or_zero
 from protocol.errors import FedfilterError
+from workloads.models import trainable_mask
 
 # Declared relative bound on |a record's norm - ||what the sum adds for it||| / ||what the sum adds||.
 # The sum adds w_i x (the record's rows), each product rounded once in float64 (2^-53); the norm is
@@ -530,12 +531,14 @@ class Contributions(Protocol):
     """Each unit's unclipped contribution, as the release kernel uses it (same work on every unit).
 
     ``norm_rel_error``: the relative error of :meth:`norms` against what :meth:`weighted_sum` adds
-    up; the release clips to bound / (1 + norm_rel_error).
+    up; the release clips to bound / (1 + norm_rel_error). ``trainable``: which of the ``dim`` entries are
+    a trainable parameter's (None: all); the others are released as exact zeros, noise included.
     """
 
     n_units: int
     dim: int
     norm_rel_error: float
+    trainable: NDArray[np.bool_] | None
 
     def norms(self) -> NDArray[np.float64]:
         """Each unit's L2 norm (float64; non-finite for a unit that overflows)."""
@@ -555,9 +558,16 @@ class RowContributions:
 
     norm_rel_error = 0.0
 
-    def __init__(self, rows: NDArray[np.float32]) -> None:
+    def __init__(self, rows: NDArray[np.float32], *, trainable: NDArray[np.bool_] | None = None) -> None:
+        """``trainable`` (client-unit gradients and updates: the flat layout's trainable entries,
+        workloads.models.trainable_mask): the frozen entries are released as exact zeros, noise included."""
         self.rows = rows if rows.flags.writeable else rows.copy()
         self.n_units, self.dim = self.rows.shape
+        self.trainable = trainable
+        if trainable is not None:
+            if trainable.shape != (self.dim,):
+                raise ValueError(f"trainable: expected {self.dim} flags, got shape {trainable.shape}")
+            self.rows[:, ~trainable] = 0.0  # a public mask: frozen parameters are not released
 
     def norms(self) -> NDArray[np.float64]:
         """Each row's L2 norm in float64 (the values of ``np.linalg.norm(rows.astype(float64), axis=1)``).
@@ -642,9 +652,7 @@ class StreamedGradients:
         self.n_units = len(source)
         self.dim = sum(p.numel() for p in model.parameters())
         # The flat layout's trainable entries (workloads.models.trainable_mask): frozen ones are released as 0.
-        self.trainable = np.concatenate(
-            [np.full(p.numel(), p.requires_grad, dtype=np.bool_) for p in model.parameters()] or [np.zeros(0, bool)]
-        )
+        self.trainable: NDArray[np.bool_] | None = trainable_mask(model)
         self.method = ""
         self.nulls: dict[str, int] = {}  # null records of the last pass, by reason (the owner's log)
         self._norms: NDArray[np.float64] | None = None

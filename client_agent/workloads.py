@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,12 +28,13 @@ from client_agent.streaming import (
     batch_tensor,
     check_model,
     chunk_for_budget,
+    finite_records,
     record_shapes,
 )
 from protocol import messages as wire
 from protocol.branchless import or_zero
 from workloads.builtin import BUILTIN
-from workloads.models import load_flat_parameters
+from workloads.models import load_flat_parameters, trainable_mask
 from workloads.registry import DataSource, QueryArgs, Workload, WorkloadError, bounded_rows
 
 
@@ -84,13 +85,16 @@ def gradient_contributions(
     workload: Workload | None = None,
     device: str = "cpu",
     activation_budget: int | None = None,
+    stopped: NDArray[np.bool_] | None = None,
 ) -> Contributions:
     """The request's per-unit gradients as the release kernel uses them.
 
     ``record`` units: :class:`client_agent.streaming.StreamedGradients` over ``source``, one fused
     pass over the records, memory bounded by a chunk, never an (n, d) matrix; with
-    ``activation_budget`` (bytes: the agent's policy-max-activation-mb), chunks sized to it. ``client`` units: the
-    one row of :func:`client_gradient_row`, with the workload's loss and validity rule.
+    ``activation_budget`` (bytes: the agent's policy-max-activation-mb), chunks sized to it (stopped records
+    enter as the null element in the pass the release runs). ``client`` units: the one row of
+    :func:`client_gradient_row`, with the workload's loss and validity rule; ``stopped`` (one flag, the
+    client's): a stopped client's records enter as the null element before the model sees them.
 
     Privacy note: the null element as in :func:`gradient_rows`: a record the workload's ``valid``
     rule rejects (a feature that is not finite, a label outside the model's classes) has zero
@@ -110,7 +114,9 @@ def gradient_contributions(
         return registry.valid(x, y, model)
 
     if unit != "record":
-        return RowContributions(client_gradient_row(model, registry.loss, source, valid=valid))
+        keep = stopped is None or not bool(np.asarray(stopped).reshape(-1)[0])
+        row = client_gradient_row(model, registry.loss, source, valid=valid, keep=keep)
+        return RowContributions(row, trainable=trainable_mask(model))
     chunk = 1024
     if activation_budget is not None:  # the owner's budget: chunks sized to it, or a policy refusal
         # Public fields only (the model, the budget, the records' shapes): measured once per process.
@@ -132,28 +138,49 @@ def client_gradient_row(
     source: RecordSource,
     *,
     valid: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    keep: bool = True,
 ) -> NDArray[np.float32]:
     """A client unit's row: the gradient of its mean loss over all its records, read batch by batch.
 
     The workload's ``loss`` and ``valid`` rule; a record it rejects is the null element (zero
     features, a zero target of the target's own dtype and shape, weight 0) by the same computation
     as every other record. The sum is divided by the public record count ``len(source)``.
+
+    The unit is the client, so (privacy.md §2):
+    - ``keep`` False (the client is stopped): every record enters as the null element before any of the
+      owner's code (model, loss, validity rule) sees it; the same work runs, on no data;
+    - an id outside an embedding's table is looked up as 0 and makes the whole row the null element
+      (:class:`client_agent.isolation.GuardedTables`), never an error: a refusal would answer, uncharged,
+      "does this client hold an id >= k?" for a table size the coordinator chose;
+    - a frozen parameter's entries are exact zeros (only trainable parameters are released and charged).
+    Integer features stay integers (int64), as the record engine reads them.
     """
+    from client_agent.isolation import GuardedTables
+
+    kept = torch.tensor(bool(keep))
     total: torch.Tensor | None = None
-    for bx, by in source.batches(_QUERY_BATCH):
-        xt, yt = batch_tensor(bx), batch_tensor(by)
-        xt = xt.to(torch.float32)
-        if not yt.is_floating_point():
-            yt = yt.to(torch.int64)  # class labels, as the loss takes them
-        finite = torch.isfinite(xt.reshape(len(xt), -1)).all(dim=1)
-        safe_x = rows_where(finite, xt)
-        usable = finite & valid(safe_x, yt).to(torch.bool)
-        weights = usable.to(torch.float32)
-        xt, yt = rows_where(usable, xt), rows_where(usable, yt)
-        part = summed_gradient(model, loss, xt, yt, weights=weights).to(torch.float64)
-        total = part if total is None else total + part
+    with GuardedTables(model) as tables:
+        for bx, by in source.batches(_QUERY_BATCH):
+            xt, yt = _unit_tensors(bx, by)
+            finite = kept & finite_records(xt, yt)
+            safe_x, safe_y = rows_where(finite, xt), rows_where(finite, yt)
+            usable = finite & valid(safe_x, safe_y).to(torch.bool)
+            weights = usable.to(torch.float32)
+            xt, yt = rows_where(usable, xt), rows_where(usable, yt)
+            part = summed_gradient(model, loss, xt, yt, weights=weights).to(torch.float64)
+            total = part if total is None else total + part
     assert total is not None
-    return (total / len(source)).reshape(1, -1).numpy().astype(np.float32)
+    trainable = torch.from_numpy(trainable_mask(model))
+    row = where_or_zero(trainable & ~tables.bad, total / len(source))
+    return row.reshape(1, -1).numpy().astype(np.float32)
+
+
+def _unit_tensors(bx: Any, by: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch as the client-unit paths read it: float features as float32, integer ones as int64 (the record
+    engine's reading), integer targets as int64 (class labels, as the loss takes them)."""
+    xt, yt = batch_tensor(bx), batch_tensor(by)
+    xt = xt.to(torch.float32 if xt.is_floating_point() else torch.int64)
+    return xt, yt if yt.is_floating_point() else yt.to(torch.int64)
 
 
 def gradient_rows(request: wire.GradientRequest, x: NDArray[Any], y: NDArray[Any], *, unit: str) -> NDArray[np.float32]:
@@ -214,7 +241,7 @@ class OneRecordAtATime(torch.nn.Module):
 
         from torch.func import functional_call, vmap
 
-        from client_agent.isolation import _math_attention
+        from client_agent.isolation import _math_attention, guarded_ids
         from client_agent.layers.recurrent import unrolled
 
         model = copy.deepcopy(self.inner)
@@ -225,14 +252,12 @@ class OneRecordAtATime(torch.nn.Module):
         flags: list[torch.Tensor] = []
 
         def guard(m: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            keyword = not args and isinstance(kwargs.get("input"), torch.Tensor)
-            ids = kwargs["input"] if keyword else (args[0] if args else None)
-            if not isinstance(ids, torch.Tensor):
+            guarded = guarded_ids(m, args, kwargs)
+            if guarded is None:
                 return None
-            bad = (ids < 0) | (ids >= int(cast(torch.nn.Embedding, m).num_embeddings))
-            flags.append(bad.any())
-            safe = where_or_zero(~bad, ids)
-            return (args, {**kwargs, "input": safe}) if keyword else ((safe, *args[1:]), kwargs)
+            call, bad = guarded
+            flags.append(bad)
+            return call
 
         def one(xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             flags.clear()
@@ -364,21 +389,22 @@ def indicator_rows(
             raise wire.ProtocolError(
                 f"{wire.INDICATOR}: 'column' must be < {features} (the client's feature count), got {request.column}"
             )
-        kept = None
+        keep = np.ones(len(bx), dtype=np.bool_)
+        if stopped is not None:
+            keep = ~(stopped[done : done + len(bx)] if isolated else np.repeat(stopped[:1], len(bx)))
         if model is not None:
             if not done:  # before any data reaches the model: the same query on synthetic records
                 _synthetic_pass(query, args, bx, by)
-            keep = np.ones(len(bx), dtype=np.bool_)
-            if stopped is not None:
-                keep = ~(stopped[done : done + len(bx)] if isolated else np.repeat(stopped[:1], len(bx)))
             bx, kept = _kept_records(registry, model, bx, by, keep, isolated=isolated)
             if isinstance(model, OneRecordAtATime):
                 model.bad = None
+        else:  # a stopped unit's records reach no query either (privacy.md §2): the null element, zeros
+            bx, kept = or_zero(keep.reshape(-1, *([1] * (bx.ndim - 1))), bx), keep
+        by = or_zero(kept.reshape(-1, *([1] * (by.ndim - 1))), by)  # nor their targets
         rows = bounded_rows(query, query.rows(bx, by, args), len(bx))
-        if kept is not None:
-            if isinstance(model, OneRecordAtATime) and model.bad is not None:
-                kept = kept & ~model.bad.numpy()
-            rows = or_zero(kept.reshape(-1, 1), np.asarray(rows, dtype=np.float32))
+        if isinstance(model, OneRecordAtATime) and model.bad is not None:
+            kept = kept & ~model.bad.numpy()
+        rows = or_zero(kept.reshape(-1, 1), np.asarray(rows, dtype=np.float32))
         parts.append(rows)
         done += len(bx)
     values = np.concatenate(parts) if len(parts) > 1 else parts[0]

@@ -308,3 +308,44 @@ TOKEN_QUERIES = Workload(
     valid=CONTROLS.valid,
     queries={"correct": Query(_token_correct, needs_model=True), "threshold": Query(_token_threshold)},
 )
+
+
+# --- client units (a hostile review, 2026-11-26): what the owner's code sees of a stopped client -----------
+
+SEEN: list[float] = []  # the largest |value| each call of the probe's model or query saw (the test clears it)
+DTYPES: list[torch.dtype] = []  # the dtype of the ids each call of the probe's model was given
+
+
+class ProbeBag(nn.Module):
+    """Mean-pooled token embeddings; the table's size ``vocab`` is a model argument (the coordinator's choice),
+    ``frozen`` freezes the table. Its forward notes the largest id it is given (client_agent copies modules, so
+    the notes are module-level)."""
+
+    def __init__(self, vocab: int = 64, frozen: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 4)
+        self.emb.weight.requires_grad_(not frozen)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        SEEN.append(float(x.abs().max()))
+        DTYPES.append(x.dtype)
+        return self.head(self.emb(x.long()).mean(dim=1))
+
+
+def _probe_rows(x: Any, y: Any, args: Any) -> Any:
+    """'large': whether a record holds an id above 10; notes what it reads."""
+    import numpy as np
+
+    SEEN.append(float(np.abs(np.asarray(x)).max()) if len(x) else 0.0)
+    return (np.asarray(x).reshape(len(x), -1).max(axis=1) > 10).astype("float32").reshape(-1, 1)
+
+
+CLIENT_PROBE = Workload(
+    name="client_probe",
+    models={"bag": ProbeBag},
+    loss=_ce,
+    data=_data,
+    valid=_valid,
+    queries={"large": Query(_probe_rows)},
+)
