@@ -21,6 +21,7 @@ from client_agent.agent import Agent
 from client_agent.config import parse_agent_config
 from protocol import messages as wire
 from tests import isolation_workloads as probe
+from tests.factories import gradient_request, indicator_request
 from workloads.models import flatten_parameters, trainable_mask
 from workloads.registry import layout_fingerprint
 
@@ -57,13 +58,11 @@ class _Asker:
         self.n += 1
         args = {"vocab": vocab, "frozen": frozen}
         model = probe.CLIENT_PROBE.build_model("bag", **args)
-        request = wire.GradientRequest(
-            request_id=f"g{self.n}",
-            run_id="run",
+        request = gradient_request(
+            f"g{self.n}",
             round=self.n,
             noise_std=0.5,
             l2_clip=clip,
-            trust="local",
             unit="client",
             model="bag",
             model_args=json.dumps(args),
@@ -75,18 +74,7 @@ class _Asker:
 
     def query(self) -> Any:
         self.n += 1
-        request = wire.IndicatorRequest(
-            request_id=f"q{self.n}",
-            run_id="run",
-            round=self.n,
-            noise_std=0.5,
-            l2_clip=1.0,
-            trust="local",
-            unit="client",
-            predicate="large",
-            column=0,
-            value=0.0,
-        )
+        request = indicator_request(f"q{self.n}", round=self.n, noise_std=0.5, unit="client", predicate="large")
         return self.agent.handle(wire.INDICATOR, *wire.encode_request(request))
 
 
