@@ -190,6 +190,9 @@ class GuardedTables:
         self._handles: list[Any] = []
 
     def _hook(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ids = kwargs.get("input", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(ids):
+            return None  # inside the owner's own vmap or grad: its flag could not leave it (unguarded, as before)
         guarded = guarded_ids(m, args, kwargs)
         if guarded is None:
             return None

@@ -108,14 +108,14 @@ def local_update(
     integer("batch_size", batch_size, at_least=1, error=ValueError)
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr <= 0:
         raise ValueError(f"lr: expected a finite number > 0, got {lr!r}")
-    xt, yt, weights = null_as_zero(model, x, y, valid=valid, keep=keep)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    n = len(yt)
-    b = min(batch_size, n)
     start = {name: p.detach().clone().to(torch.float32) for name, p in model.named_parameters()}
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     params = dict(start)
-    with GuardedTables(model) as tables:
+    with GuardedTables(model) as tables:  # the validity rule may run the model too
+        xt, yt, weights = null_as_zero(model, x, y, valid=valid, keep=keep)
+        n = len(yt)
+        b = min(batch_size, n)
         for _ in range(steps):
             idx = torch.from_numpy(rng.choice(n, size=b, replace=False).astype(np.int64))
             leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}

@@ -349,3 +349,14 @@ CLIENT_PROBE = Workload(
     valid=_valid,
     queries={"large": Query(_probe_rows)},
 )
+
+
+def _valid_by_model(x: torch.Tensor, y: torch.Tensor, model: Any = None) -> torch.Tensor:
+    """A validity rule that runs the model: records whose logits are finite (a second review's case)."""
+    with torch.no_grad():
+        return torch.isfinite(model(x)).all(dim=1)
+
+
+CLIENT_PROBE_VALID = Workload(
+    name="client_probe_valid", models=CLIENT_PROBE.models, loss=_ce, data=_data, valid=_valid_by_model
+)

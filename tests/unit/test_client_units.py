@@ -29,7 +29,7 @@ SECRET = 41  # one record holds token id 41; every other id is below 30
 LOCAL = {"local_steps": 2, "local_lr": 0.1, "local_batch_size": 64}  # every record, every step
 
 
-def _agent(tmp_path: Path) -> Agent:
+def _agent(tmp_path: Path, workload: str = "CLIENT_PROBE") -> Agent:
     rng = np.random.default_rng(0)
     x = rng.integers(1, 30, size=(50, 8))
     x[17, 3] = SECRET
@@ -44,7 +44,7 @@ def _agent(tmp_path: Path) -> Agent:
         "policy-min-noise-std = 0.5",
         "policy-max-clip = 100.0",
         "policy-max-request-share = 1.0",
-        'workload = "tests.isolation_workloads:CLIENT_PROBE"',
+        f'workload = "tests.isolation_workloads:{workload}"',
     ]
     (tmp_path / "agent.toml").write_text("\n".join(lines) + "\n")
     return Agent(parse_agent_config({"agent-config": str(tmp_path / "agent.toml")}))
@@ -99,11 +99,12 @@ def test_a_stopped_clients_records_reach_none_of_the_owners_code(tmp_path: Path)
     agent.close()
 
 
+@pytest.mark.parametrize("workload", ["CLIENT_PROBE", "CLIENT_PROBE_VALID"])  # the second: a rule running the model
 @pytest.mark.parametrize("local", [False, True], ids=["gradient", "local-training"])
 def test_an_id_outside_a_coordinator_sized_table_nulls_the_clients_row_instead_of_refusing(
-    tmp_path: Path, local: bool
+    tmp_path: Path, local: bool, workload: str
 ) -> None:
-    agent = _agent(tmp_path)
+    agent = _agent(tmp_path, workload)
     ask = _Asker(agent)
     for vocab in (SECRET, 32, 8):  # every size at or below the largest id: answered, the row null, nothing paid
         outcome, _ = ask.gradient(vocab=vocab, local=local)
