@@ -28,8 +28,8 @@ from simulations.reproductions.fz_sec51 import (
     append_result,
     append_results,
     campaign_jobs,
-    campaign_trials,
     cell,
+    current_trials,
     finished,
     job_summary,
     load_results,
@@ -292,10 +292,10 @@ def run_report(args: argparse.Namespace) -> int:
     tuning grid, the prefix check and the earlier (T0 = 40) trials apart."""
     rows = load_results(args.results)
     print(report_markdown(rows))
-    trials = campaign_trials(rows)
+    trials = current_trials(rows)
     fig = plot_fig1([r for r in trials if r["regime"] == "tuned"], args.fig)
     acc = plot_accuracy(trials, args.accuracy_fig)
-    print(f"\n{len(rows)} rows ({len(trials)} campaign trials) in {args.results}")
+    print(f"\n{len(rows)} rows ({len(trials)} campaign trials at the chosen tuning) in {args.results}")
     print(f"Fig. 1: {fig if fig else 'no tuned filtered run at eps 0.3/0.5 yet'}")
     print(f"accuracy against step: {acc if acc else 'no full-scale campaign trial yet'}")
     return 0

@@ -91,6 +91,11 @@ TUNE_GRID: dict[float, tuple[tuple[int, float], ...]] = {
     0.5: ((100, 1.5), (100, 2.0), (150, 1.5), (150, 2.0)),
     1.0: ((300, 1.0), (300, 1.5), (400, 1.0), (400, 1.5)),
 }
+# Extending the grid (2026-11-26: the best point was at the largest T0 at every epsilon): while the best point
+# of an epsilon's grid has its largest T0, the grid gains T0 + this at the best point's learning rate, at most
+# TUNE_EXTEND_MAX times; trials wait for the extended grid like for the first one.
+TUNE_T0_STEP = {0.3: 50, 0.5: 50, 1.0: 100}
+TUNE_EXTEND_MAX = 3
 TRIAL_SEEDS = (0, 1, 2)
 # A branched run's central noise is seeded with seed + this (never a seed of a run from round 1).
 BRANCH_NOISE_SEED_OFFSET = 1000
@@ -561,11 +566,8 @@ class Job:
 
     @property
     def key(self) -> str:
-        t = self.tuned
-        return (
-            f"{self.kind}/{self.regime}/eps={self.epsilon:g}/{self.method}/seed={self.seed}/"
-            f"T0={t.steps},C0={t.clip:g},lr={t.learning_rate:g}"
-        )
+        cell = f"{self.kind}/{self.regime}/eps={self.epsilon:g}/{self.method}/seed={self.seed}"
+        return f"{cell}/{settings_key(self.tuned)}"
 
     @property
     def row_methods(self) -> tuple[str, ...]:
@@ -575,18 +577,41 @@ class Job:
         return (self.method,)
 
 
+def settings_key(t: Tuned) -> str:
+    """The last part of a job's key: the tuned settings it ran with."""
+    return f"T0={t.steps},C0={t.clip:g},lr={t.learning_rate:g}"
+
+
 def prefix_check_job() -> Job:
     """The campaign's first job: GD run on its own against the Rényi run's prefix (small, minutes)."""
     return Job(KIND_PREFIX, 0.3, "suboptimal", "gd+renyi", 0, PREFIX_CHECK)
 
 
-def tuning_jobs() -> list[Job]:
-    """Private GD over the grid of issue 26, per epsilon in table order (seed 0; validation split)."""
-    return [
-        Job(KIND_TUNE, eps, "tuned", "gd", 0, Tuned(steps=t0, clip=TUNE_CLIP, learning_rate=lr))
-        for eps in EPSILONS
-        for t0, lr in TUNE_GRID[eps]
-    ]
+def tuning_jobs(rows: list[dict[str, Any]] | None = None) -> list[Job]:
+    """Private GD over the tuning grid, per epsilon in table order (seed 0; validation split): issue 26's grid,
+    and with ``rows`` (the results so far) its extensions along T0 (:func:`tuning_grid`)."""
+    return [job for eps in EPSILONS for job in tuning_grid(rows or [], eps)]
+
+
+def tuning_grid(rows: list[dict[str, Any]], epsilon: float) -> list[Job]:
+    """``epsilon``'s tuning jobs in the order they run: issue 26's grid, then, while every point so far has its
+    row and the best (earliest among ties) has the largest T0, T0 + ``TUNE_T0_STEP`` at its learning rate (at
+    most ``TUNE_EXTEND_MAX`` such points): the grid's edge is not where tuning stops."""
+
+    def job(t0: int, lr: float) -> Job:
+        return Job(KIND_TUNE, epsilon, "tuned", "gd", 0, Tuned(steps=t0, clip=TUNE_CLIP, learning_rate=lr))
+
+    grid = [job(t0, lr) for t0, lr in TUNE_GRID[epsilon]]
+    accuracy = {r["job"]: float(r["validation_accuracy"]) for r in rows if row_kind(r) == KIND_TUNE}
+    for _ in range(TUNE_EXTEND_MAX):
+        if any(j.key not in accuracy for j in grid):
+            break
+        best = max(accuracy[j.key] for j in grid)
+        top = next(j.tuned for j in grid if accuracy[j.key] == best)
+        if top.steps < max(j.tuned.steps for j in grid):
+            break
+        grid.append(job(top.steps + TUNE_T0_STEP[epsilon], top.learning_rate))
+    return grid
 
 
 def finished(job: Job, rows: list[dict[str, Any]]) -> bool:
@@ -596,20 +621,29 @@ def finished(job: Job, rows: list[dict[str, Any]]) -> bool:
 
 
 def chosen_tuning(rows: list[dict[str, Any]], epsilon: float) -> Tuned | None:
-    """The grid point with the best validation accuracy at ``epsilon`` (earliest in grid order among ties),
-    or None until every grid point of that epsilon has its row."""
-    grid = [j for j in tuning_jobs() if j.epsilon == epsilon]
-    accuracy = {r["job"]: float(r["validation_accuracy"]) for r in rows if row_kind(r) == KIND_TUNE}
-    if any(j.key not in accuracy for j in grid):
+    """The grid point (:func:`tuning_grid`, extensions included) with the best validation accuracy at ``epsilon``
+    (earliest in grid order among ties), or None until every grid point of that epsilon has its row."""
+    grid = tuning_grid(rows, epsilon)
+    if any(not finished(j, rows) for j in grid):
         return None
-    best = max(accuracy[j.key] for j in grid)
-    return next(j.tuned for j in grid if accuracy[j.key] == best)
+    return leading_tuning(rows, epsilon)
+
+
+def leading_tuning(rows: list[dict[str, Any]], epsilon: float) -> Tuned | None:
+    """The best of ``epsilon``'s grid points that have their row (earliest in grid order among ties), or None:
+    :func:`chosen_tuning` once the grid is complete, the provisional choice while it grows."""
+    accuracy = {r["job"]: float(r["validation_accuracy"]) for r in rows if row_kind(r) == KIND_TUNE}
+    done = [j for j in tuning_grid(rows, epsilon) if j.key in accuracy]
+    if not done:
+        return None
+    best = max(accuracy[j.key] for j in done)
+    return next(j.tuned for j in done if accuracy[j.key] == best)
 
 
 def campaign_jobs(rows: list[dict[str, Any]]) -> list[Job]:
     """Every job in the order of issue 26: the prefix check; the tuning grid; then, once every grid row is
     in, seed 0 of the six cells (GD + Rényi in one run, suboptimal first), seeds 1-2, the GDP column."""
-    jobs = [prefix_check_job(), *tuning_jobs()]
+    jobs = [prefix_check_job(), *tuning_jobs(rows)]
     chosen = {eps: chosen_tuning(rows, eps) for eps in EPSILONS}
     if any(t is None for t in chosen.values()):
         return jobs
@@ -975,7 +1009,7 @@ def tuning_markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| ε | T0 | lr | σ | validation accuracy | chosen |", "|---|---|---|---|---|---|"]
     for eps in EPSILONS:
         chosen = chosen_tuning(rows, eps)
-        for job in (j for j in tuning_jobs() if j.epsilon == eps):
+        for job in tuning_grid(rows, eps):
             r = accuracy.get(job.key)
             t = job.tuned
             sigma = cell(eps, "tuned", "gd", tuned=t).noise_std
@@ -998,10 +1032,24 @@ def prefix_markdown(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def superseded(rows: list[dict[str, Any]], trial: dict[str, Any]) -> bool:
+    """Whether a campaign trial ran with settings other than its epsilon's leading tuning (the grid grew after it
+    ran and another point won): kept in the results file, shown apart from the table."""
+    leading = leading_tuning(rows, float(trial["epsilon"]))
+    return leading is None or not str(trial["job"]).endswith("/" + settings_key(leading))
+
+
+def current_trials(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The campaign trials at their epsilon's leading tuning (:func:`leading_tuning`: chosen, or provisionally
+    while the grid grows): the table's and the figures' rows."""
+    return [r for r in campaign_trials(rows) if not superseded(rows, r)]
+
+
 def report_markdown(rows: list[dict[str, Any]]) -> str:
-    """The campaign's report: its table (selected and last step), the tuning grid, the prefix check, and the
-    trials with the earlier settings (T0 = 40) apart."""
-    trials = campaign_trials(rows)
+    """The campaign's report: its table (selected and last step) from the trials at the chosen tuning, the
+    tuning grid, the prefix check, the trials at superseded settings and the earlier ones (T0 = 40) apart."""
+    trials = current_trials(rows)
+    old = [r for r in campaign_trials(rows) if superseded(rows, r)]
     earlier = earlier_trials(rows)
     return "\n\n".join(
         [
@@ -1013,6 +1061,8 @@ def report_markdown(rows: list[dict[str, Any]]) -> str:
             "not accounted, as in the paper):",
             tuning_markdown(rows),
             prefix_markdown(rows),
+            "Campaign trials at settings the tuning has since superseded:",
+            table_markdown(old) if old else "none",
             "T0=40 (earlier settings: clip 1, lr 2, before the campaign):",
             table_markdown(earlier) if earlier else "none",
         ]

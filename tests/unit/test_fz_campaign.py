@@ -28,6 +28,7 @@ from simulations.reproductions.fz_sec51 import (
     KIND_TRIAL,
     KIND_TUNE,
     MAX_LR_TIMES_CLIP,
+    TUNE_EXTEND_MAX,
     TUNE_GRID,
     Job,
     Tuned,
@@ -36,7 +37,9 @@ from simulations.reproductions.fz_sec51 import (
     campaign_jobs,
     cell,
     chosen_tuning,
+    current_trials,
     finished,
+    leading_tuning,
     load_results,
     next_job,
     pending_jobs,
@@ -44,6 +47,8 @@ from simulations.reproductions.fz_sec51 import (
     run_job,
     select_step,
     stable_learning_rate,
+    superseded,
+    tuning_grid,
     tuning_jobs,
     tuning_silos,
 )
@@ -173,9 +178,9 @@ def test_resume_after_a_last_line_cut_short(tmp_path: Path) -> None:
 def test_tuned_settings_are_the_best_grid_point_per_epsilon() -> None:
     rows = all_tuned(0.5)
     grid = {eps: [j for j in tuning_jobs() if j.epsilon == eps] for eps in EPSILONS}
-    rows += [tune_row(grid[0.3][2], 0.93), tune_row(grid[1.0][3], 0.95), tune_row(grid[1.0][1], 0.95)]
+    rows += [tune_row(grid[0.3][1], 0.93), tune_row(grid[1.0][3], 0.95), tune_row(grid[1.0][1], 0.95)]
     # Later rows override? No: the best accuracy wins, and among equal ones the earliest grid point.
-    assert chosen_tuning(rows, 0.3) == Tuned(steps=150, clip=1.0, learning_rate=1.5)
+    assert chosen_tuning(rows, 0.3) == Tuned(steps=100, clip=1.0, learning_rate=2.0)
     assert chosen_tuning(rows, 1.0) == Tuned(steps=300, clip=1.0, learning_rate=1.5)
     assert chosen_tuning(rows, 0.5) == Tuned(steps=100, clip=1.0, learning_rate=1.5)  # all tied: the first
     # A missing grid point: no choice yet, and no trial job is listed.
@@ -184,7 +189,44 @@ def test_tuned_settings_are_the_best_grid_point_per_epsilon() -> None:
     assert all(j.kind != KIND_TRIAL for j in campaign_jobs(partial))
     # The trials use the chosen settings.
     trial = campaign_jobs(rows)[13]
-    assert (trial.epsilon, trial.tuned) == (0.3, Tuned(steps=150, clip=1.0, learning_rate=1.5))
+    assert (trial.epsilon, trial.tuned) == (0.3, Tuned(steps=100, clip=1.0, learning_rate=2.0))
+
+
+def test_a_grid_whose_best_point_has_its_largest_t0_grows_along_t0_and_trials_wait_for_it() -> None:
+    base = [j for j in tuning_jobs() if j.epsilon == 0.5]
+    rows = [*all_tuned(0.9), tune_row(base[3], 0.95)]  # (150, 2.0) wins, at the grid's largest T0
+    grown = tuning_grid(rows, 0.5)
+    assert [(j.tuned.steps, j.tuned.learning_rate) for j in grown[4:]] == [(200, 2.0)]
+    assert tuning_grid(rows, 0.3) == [j for j in tuning_jobs() if j.epsilon == 0.3]  # tied: T0 100, interior
+    assert chosen_tuning(rows, 0.5) is None and leading_tuning(rows, 0.5) == base[3].tuned
+    assert all(j.kind != KIND_TRIAL for j in campaign_jobs(rows)) and grown[4] in pending_jobs(rows)
+    rows.append(tune_row(grown[4], 0.96))  # T0 200 wins again: T0 250 next
+    assert [j.tuned.steps for j in tuning_grid(rows, 0.5)[4:]] == [200, 250]
+    rows.append(tune_row(tuning_grid(rows, 0.5)[5], 0.955))  # T0 250 loses: the grid is complete
+    assert len(tuning_grid(rows, 0.5)) == 6
+    assert chosen_tuning(rows, 0.5) == Tuned(steps=200, clip=1.0, learning_rate=2.0)
+    trials = [j for j in campaign_jobs(rows) if j.kind == KIND_TRIAL and j.epsilon == 0.5]
+    assert trials and all(j.tuned == Tuned(steps=200, clip=1.0, learning_rate=2.0) for j in trials)
+    # A trial run at the superseded T0 150 is kept apart from the table; one at T0 200 is in it.
+    old, new = (Job(KIND_TRIAL, 0.5, "suboptimal", "gd+renyi", 0, t) for t in (base[3].tuned, trials[0].tuned))
+    rows += [trial_row(old, "renyi", 0.931), trial_row(new, "renyi", 0.942)]
+    assert superseded(rows, rows[-2]) and not superseded(rows, rows[-1])
+    assert [r["final_accuracy"] for r in current_trials(rows)] == [0.942]
+    report = report_markdown(rows)
+    table, apart = report.split("superseded")[0], report.split("superseded")[1].split("T0=40")[0]
+    assert "94.20 (1 trial)" in table and "93.10" not in table and "93.10 (1 trial)" in apart
+
+
+def test_a_grid_grows_at_most_tune_extend_max_points() -> None:
+    rows = all_tuned(0.9)
+    for k in range(TUNE_EXTEND_MAX + 2):  # every new point wins
+        grid = tuning_grid(rows, 1.0)
+        best = grid[-1] if k else grid[3]
+        rows.append(tune_row(best, 0.95 + 0.001 * k))
+    grid = tuning_grid(rows, 1.0)
+    assert len(grid) == 4 + TUNE_EXTEND_MAX
+    assert [j.tuned.steps for j in grid[4:]] == [500, 600, 700][:TUNE_EXTEND_MAX]
+    assert chosen_tuning(rows, 1.0) == grid[-1].tuned
 
 
 def test_learning_rate_times_clip_stays_at_most_3() -> None:
