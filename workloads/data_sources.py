@@ -54,8 +54,10 @@ def _check_arrays(where: str, x: Any, y: Any) -> None:
         raise ValueError(
             f"data {where}: expected x with a record axis and y of shape (n,) or (n, k), got {x.shape} and {y.shape}"
         )
-    if not (np.issubdtype(x.dtype, np.number) and np.issubdtype(y.dtype, np.number)):
-        raise ValueError(f"data {where}: expected numeric x and numeric targets y, got {x.dtype} and {y.dtype}")
+    if not all(a.dtype.kind in "biuf" and a.dtype.itemsize <= 8 for a in (x, y)):  # what torch and or_zero take
+        raise ValueError(
+            f"data {where}: expected bool, integer or float (at most 64-bit) x and y, got {x.dtype} and {y.dtype}"
+        )
     if len(x) != len(y) or len(x) == 0:
         raise ValueError(f"data {where}: expected as many labels as records (> 0), got {len(x)} and {len(y)}")
 

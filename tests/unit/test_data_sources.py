@@ -59,8 +59,14 @@ def test_npz_keeps_todays_behaviour_and_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"expected as many labels as records \(> 0\), got 10 and 3"):
         NpzSource(tmp_path / "short.npz")
     np.savez(tmp_path / "str.npz", x=x, y=np.array(["a"] * 10))
-    with pytest.raises(ValueError, match="expected numeric x and numeric targets y"):
+    with pytest.raises(ValueError, match=r"expected bool, integer or float \(at most 64-bit\) x and y, got .* and <U1"):
         NpzSource(tmp_path / "str.npz")
+    # Numbers torch or the agent's bitwise selection cannot take are refused when the data is opened, not later
+    # by a request (a second review: complex targets and float128 features failed only in queries).
+    for name, bad_x, bad_y in (("c", x, y.astype(np.complex64)), ("q", x.astype(np.longdouble), y)):
+        np.savez(tmp_path / f"{name}.npz", x=bad_x, y=bad_y)
+        with pytest.raises(ValueError, match=r"at most 64-bit\) x and y, got"):
+            NpzSource(tmp_path / f"{name}.npz")
 
 
 @pytest.mark.parametrize("y_shape", [(12,), (12, 3)])
