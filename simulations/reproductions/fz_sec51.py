@@ -1008,13 +1008,13 @@ def tuning_markdown(rows: list[dict[str, Any]]) -> str:
     accuracy = {r["job"]: r for r in rows if row_kind(r) == KIND_TUNE}
     lines = ["| ε | T0 | lr | σ | validation accuracy | chosen |", "|---|---|---|---|---|---|"]
     for eps in EPSILONS:
-        chosen = chosen_tuning(rows, eps)
+        chosen, leading = chosen_tuning(rows, eps), leading_tuning(rows, eps)
         for job in tuning_grid(rows, eps):
             r = accuracy.get(job.key)
             t = job.tuned
             sigma = cell(eps, "tuned", "gd", tuned=t).noise_std
             shown = "not run" if r is None else f"{100 * r['validation_accuracy']:.2f}"
-            mark = "yes" if chosen == t else ""
+            mark = "yes" if chosen == t else ("leading (grid growing)" if chosen is None and leading == t else "")
             lines.append(f"| {eps} | {t.steps} | {t.learning_rate:g} | {sigma:.2f} | {shown} | {mark} |")
     return "\n".join(lines)
 

@@ -199,6 +199,7 @@ def test_a_grid_whose_best_point_has_its_largest_t0_grows_along_t0_and_trials_wa
     assert [(j.tuned.steps, j.tuned.learning_rate) for j in grown[4:]] == [(200, 2.0)]
     assert tuning_grid(rows, 0.3) == [j for j in tuning_jobs() if j.epsilon == 0.3]  # tied: T0 100, interior
     assert chosen_tuning(rows, 0.5) is None and leading_tuning(rows, 0.5) == base[3].tuned
+    assert "| 0.5 | 150 | 2 | 93.90 | 95.00 | leading (grid growing) |" in report_markdown(rows)
     assert all(j.kind != KIND_TRIAL for j in campaign_jobs(rows)) and grown[4] in pending_jobs(rows)
     rows.append(tune_row(grown[4], 0.96))  # T0 200 wins again: T0 250 next
     assert [j.tuned.steps for j in tuning_grid(rows, 0.5)[4:]] == [200, 250]
