@@ -150,7 +150,7 @@ def local_rows(
     path's per-example cross-entropy and its null rule. ``loss_fn`` overrides the loss. ``stopped`` (one
     flag, the client's): a stopped client trains on the null element (:func:`local_update`'s ``keep``).
     """
-    from client_agent.workloads import _cross_entropy, _loaded_model
+    from client_agent.workloads import _cross_entropy, _loaded_model, client_kept
 
     if request.local_steps < 1 or request.local_lr is None or request.local_batch_size is None:
         raise wire.ProtocolError(f"{wire.GRADIENT}: local training needs local_steps >= 1, local_lr and batch size")
@@ -172,6 +172,6 @@ def local_rows(
         batch_size=request.local_batch_size,
         rng=rng,
         valid=workload.valid if workload is not None else None,
-        keep=stopped is None or not bool(np.asarray(stopped).reshape(-1)[0]),
+        keep=client_kept(stopped),
     )
     return RowContributions(delta.reshape(1, -1), trainable=trainable_mask(model))

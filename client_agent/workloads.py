@@ -114,8 +114,7 @@ def gradient_contributions(
         return registry.valid(x, y, model)
 
     if unit != "record":
-        keep = stopped is None or not bool(np.asarray(stopped).reshape(-1)[0])
-        row = client_gradient_row(model, registry.loss, source, valid=valid, keep=keep)
+        row = client_gradient_row(model, registry.loss, source, valid=valid, keep=client_kept(stopped))
         return RowContributions(row, trainable=trainable_mask(model))
     chunk = 1024
     if activation_budget is not None:  # the owner's budget: chunks sized to it, or a policy refusal
@@ -173,6 +172,11 @@ def client_gradient_row(
     trainable = torch.from_numpy(trainable_mask(model))
     row = where_or_zero(trainable & ~tables.bad, total / len(source))
     return row.reshape(1, -1).numpy().astype(np.float32)
+
+
+def client_kept(stopped: NDArray[np.bool_] | None) -> bool:
+    """Whether a client unit may contribute: not stopped (``stopped``: its one flag, or None before any filter)."""
+    return stopped is None or not bool(np.asarray(stopped).reshape(-1)[0])
 
 
 def _unit_tensors(bx: Any, by: Any) -> tuple[torch.Tensor, torch.Tensor]:
