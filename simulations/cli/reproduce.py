@@ -87,6 +87,11 @@ def add_parser(sub: Subparsers) -> None:
         "--commit", action="store_true", help="--campaign: git commit --results after every job (nothing else)"
     )
     run.add_argument(
+        "--device",
+        default="cpu",
+        help="where the agents' per-record engine runs: cpu (default), cuda or cuda:N (recorded in each row)",
+    )
+    run.add_argument(
         "--threads",
         type=int,
         help=(
@@ -110,6 +115,7 @@ def run_cells(args: argparse.Namespace) -> int:
         return run_campaign(args)
     if args.trials < 1:
         raise SimulationError(f"--trials: expected an integer >= 1, got {args.trials}")
+    check_device(args.device)
     cells = [cell(e, r, m) for r in args.regime for e in args.epsilon for m in args.method]
     # Before hours of training: the results file must be readable and writable, or say why now.
     load_results(args.results)
@@ -128,13 +134,26 @@ def run_cells(args: argparse.Namespace) -> int:
                 "fz-mnist: eps=%s %s %s: %d steps, C=%g, sigma=%.3f, lr=%g, seed %d -> %s",
                 *(c.epsilon, c.regime, c.method, c.steps, c.clip, c.noise_std, c.learning_rate, seed, out),
             )
-            record = run_trial(c, seed=seed, out=out, data_dir=args.data_dir, engine=args.engine or "flower")
-            append_result(args.results, record)
+            record = run_trial(
+                c, seed=seed, out=out, data_dir=args.data_dir, engine=args.engine or "flower", device=args.device
+            )
+            append_result(args.results, {**record, "device": args.device})
             log.info(
                 "fz-mnist: test accuracy %.2f%% after %d steps (%.0f s); appended to %s",
                 *(100 * record["final_accuracy"], record["rounds_completed"], record["wall_s"], args.results),
             )
     return 0
+
+
+def check_device(device: str) -> None:
+    """``--device`` names a device torch sees here, or the run stops before any job is taken."""
+    import torch
+
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", device):
+        raise SimulationError(f"--device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if device != "cpu" and (not torch.cuda.is_available() or index >= torch.cuda.device_count()):
+        raise SimulationError(f"--device: expected a CUDA device torch sees, got {device!r} (torch sees none)")
 
 
 def run_campaign(args: argparse.Namespace) -> int:
@@ -150,6 +169,7 @@ def run_campaign(args: argparse.Namespace) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise SimulationError(f"--threads: expected an integer >= 1, got {args.threads}")
+    check_device(args.device)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     engine = args.engine or "inprocess"
     failures_path = args.out / "campaign-failures.jsonl"
@@ -168,16 +188,20 @@ def run_campaign(args: argparse.Namespace) -> int:
             earlier = resumable_attempt(args.out / "campaign", prefix)
             out = earlier if earlier is not None else args.out / "campaign" / f"{prefix}-{stamp}"
             log.info(
-                "fz-mnist campaign: %s -> %s (engine %s, %d torch threads)%s",
+                "fz-mnist campaign: %s -> %s (engine %s on %s, %d torch threads)%s",
                 job.key,
                 out,
                 engine,
+                args.device,
                 torch.get_num_threads(),
                 "" if earlier is None else ", going on from its snapshot",
             )
             try:
                 resume = None if earlier is None else earlier / SNAPSHOT
-                new = run_job(job, out=out, data_dir=args.data_dir, engine=engine, rows=rows, resume=resume)
+                new = run_job(
+                    job, out=out, data_dir=args.data_dir, engine=engine, rows=rows, resume=resume, device=args.device
+                )
+                new = [{**r, "device": args.device} for r in new]
             except Exception as exc:  # recorded, then tried once more by the next call
                 log.info("fz-mnist campaign: %s failed: %s\n%s", job.key, exc, traceback.format_exc())
                 _record_failure(failures_path, job, exc)

@@ -339,6 +339,7 @@ def run_federation(
     checkpoint_every: int = 0,
     branch: Branch | None = None,
     resume: Path | None = None,
+    device: str = "cpu",
 ) -> Federation:
     """One federation of ``c`` over ``parts`` (model, noise and partition from ``seed``), evaluated on (eval_x, eval_y).
 
@@ -354,6 +355,8 @@ def run_federation(
     Every run saves a snapshot every ``SNAPSHOT_EVERY`` rounds. ``resume``: an earlier attempt's snapshot in
     ``out``; the run goes on from it with that attempt's ledgers (a branch's are already seeded), its noise
     where it stopped (coordinator/resume.py).
+
+    ``device``: where the agents' per-record engine runs ("cpu", "cuda" or "cuda:N"; the agent's ``device``).
     """
     from coordinator.evaluation import model_evaluator  # torch: imported when a trial runs, not by the CLI's parser
     from simulations.engine import run_engine
@@ -372,6 +375,7 @@ def run_federation(
         trust="central",
         filter=c.filter,
         noise_seed=seed,
+        device=device,
         # FZ's cells cost at most 1/40 of the budget a step; short test cells may cost more.
         policy_max_request_share=request_share(
             c.filter, epsilon=c.epsilon, delta=DELTA, noise_std=c.noise_std, clip=c.clip
@@ -450,6 +454,7 @@ def run_trial(
     eval_every: int = 5,
     select_from: int | None = None,
     checkpoint_every: int = 0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """One federation of ``c`` with ``seed`` (model initialisation, partition and noise); returns its record.
 
@@ -470,6 +475,7 @@ def run_trial(
         eval_every=eval_every,
         select_from=select_from,
         checkpoint_every=checkpoint_every,
+        device=device,
     )
     return trial_record(c, fed, seed=seed, engine=engine)
 
@@ -641,19 +647,18 @@ def leading_tuning(rows: list[dict[str, Any]], epsilon: float) -> Tuned | None:
 
 
 def campaign_jobs(rows: list[dict[str, Any]]) -> list[Job]:
-    """Every job in the order of issue 26: the prefix check; the tuning grid; then, once every grid row is
-    in, seed 0 of the six cells (GD + Rényi in one run, suboptimal first), seeds 1-2, the GDP column."""
+    """Every job in the order of issue 26: the prefix check; the tuning grid; then seed 0 of the six cells (GD +
+    Rényi in one run, suboptimal first), seeds 1-2, the GDP column, where an epsilon's trials appear once every
+    point of its own grid has its row (its tuning does not depend on the other epsilons')."""
     jobs = [prefix_check_job(), *tuning_jobs(rows)]
     chosen = {eps: chosen_tuning(rows, eps) for eps in EPSILONS}
-    if any(t is None for t in chosen.values()):
-        return jobs
     for method, seeds in (("gd+renyi", TRIAL_SEEDS[:1]), ("gd+renyi", TRIAL_SEEDS[1:]), ("gdp", TRIAL_SEEDS)):
         for seed in seeds:
             for regime in ("suboptimal", "tuned"):
                 for eps in EPSILONS:
                     tuned = chosen[eps]
-                    assert tuned is not None
-                    jobs.append(Job(KIND_TRIAL, eps, regime, method, seed, tuned))
+                    if tuned is not None:  # an epsilon's trials wait for its own grid, not for the others'
+                        jobs.append(Job(KIND_TRIAL, eps, regime, method, seed, tuned))
     return jobs
 
 
@@ -699,6 +704,7 @@ def run_job(
     test_limit: int | None = None,
     rows: list[dict[str, Any]] | None = None,
     resume: Path | None = None,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Run ``job`` in the folder ``out`` (new, or an earlier attempt's with ``resume``, its snapshot); its rows.
 
@@ -708,9 +714,15 @@ def run_job(
     """
     if job.kind == KIND_PREFIX:
         limit = PREFIX_CHECK_RECORDS if train_limit is None else train_limit
-        return [_stamp(job, prefix_check(job, out=out, data_dir=data_dir, engine=engine, train_limit=limit), out)]
+        return [
+            _stamp(
+                job, prefix_check(job, out=out, data_dir=data_dir, engine=engine, train_limit=limit, device=device), out
+            )
+        ]
     if job.kind == KIND_TUNE:
-        tuned = tune(job, out=out, data_dir=data_dir, engine=engine, train_limit=train_limit, resume=resume)
+        tuned = tune(
+            job, out=out, data_dir=data_dir, engine=engine, train_limit=train_limit, resume=resume, device=device
+        )
         return [_stamp(job, tuned, out)]
     gd = cell(job.epsilon, job.regime, "gd", tuned=job.tuned)
     if gd.steps < 1:
@@ -739,6 +751,7 @@ def run_job(
         checkpoint_every=every,
         branch=None if source is None else source[0],
         resume=resume,
+        device=device,
     )
     filtered = {**trial_record(c, fed, seed=job.seed, engine=engine), "gd_steps": gd.steps}
     if source is not None:
@@ -873,12 +886,15 @@ def gd_from_prefix(gd: Cell, fed: Federation, filtered: dict[str, Any], *, out: 
     }
 
 
-def prefix_check(job: Job, *, out: Path, data_dir: Path | None, engine: str, train_limit: int) -> dict[str, Any]:
+def prefix_check(
+    job: Job, *, out: Path, data_dir: Path | None, engine: str, train_limit: int, device: str = "cpu"
+) -> dict[str, Any]:
     """A separate GD run against the Rényi run's checkpoint at GD's last step: the same parameters?"""
     gd = cell(job.epsilon, job.regime, "gd", tuned=job.tuned)
     filt = cell(job.epsilon, job.regime, "renyi", tuned=job.tuned)
     parts, test_x, test_y = mnist_silos(CLIENTS, seed=job.seed, data_dir=data_dir, train_limit=train_limit)
-    common: dict[str, Any] = {"seed": job.seed, "parts": parts, "eval_x": test_x, "eval_y": test_y, "engine": engine}
+    common: dict[str, Any] = {"seed": job.seed, "parts": parts, "eval_x": test_x, "eval_y": test_y}
+    common.update(engine=engine, device=device)
     alone = run_federation(gd, out=out / "gd", **common)
     branch = run_federation(filt, out=out / "renyi", select_from=gd.steps + 1, checkpoint_every=gd.steps, **common)
     a = np.asarray(alone.summary["parameters"], dtype=np.float64)
@@ -904,7 +920,14 @@ def prefix_check(job: Job, *, out: Path, data_dir: Path | None, engine: str, tra
 
 
 def tune(
-    job: Job, *, out: Path, data_dir: Path | None, engine: str, train_limit: int | None, resume: Path | None = None
+    job: Job,
+    *,
+    out: Path,
+    data_dir: Path | None,
+    engine: str,
+    train_limit: int | None,
+    resume: Path | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Private GD at one grid point on the tuning split; its validation accuracy after the last step.
 
@@ -913,7 +936,16 @@ def tune(
     c = cell(job.epsilon, job.regime, "gd", tuned=job.tuned)
     parts, val_x, val_y = tuning_silos(CLIENTS, data_dir=data_dir, train_limit=train_limit)
     fed = run_federation(
-        c, seed=job.seed, out=out, parts=parts, eval_x=val_x, eval_y=val_y, engine=engine, eval_every=25, resume=resume
+        c,
+        seed=job.seed,
+        out=out,
+        parts=parts,
+        eval_x=val_x,
+        eval_y=val_y,
+        engine=engine,
+        eval_every=25,
+        resume=resume,
+        device=device,
     )
     validation = _accuracy_by_round(fed.summary)
     return {

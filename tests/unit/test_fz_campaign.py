@@ -183,10 +183,14 @@ def test_tuned_settings_are_the_best_grid_point_per_epsilon() -> None:
     assert chosen_tuning(rows, 0.3) == Tuned(steps=100, clip=1.0, learning_rate=2.0)
     assert chosen_tuning(rows, 1.0) == Tuned(steps=300, clip=1.0, learning_rate=1.5)
     assert chosen_tuning(rows, 0.5) == Tuned(steps=100, clip=1.0, learning_rate=1.5)  # all tied: the first
-    # A missing grid point: no choice yet, and no trial job is listed.
+    # A missing grid point: no choice yet at that epsilon, and no trial job of it is listed; the other
+    # epsilons' trials, whose grids are complete, are.
     partial = [r for r in all_tuned() if r["job"] != grid[0.5][3].key]
     assert chosen_tuning(partial, 0.5) is None and chosen_tuning(partial, 0.3) is not None
-    assert all(j.kind != KIND_TRIAL for j in campaign_jobs(partial))
+    listed = {j.epsilon for j in campaign_jobs(partial) if j.kind == KIND_TRIAL}
+    assert listed == {0.3, 1.0}
+    first = next(j for j in pending_jobs(partial) if j.kind == KIND_TRIAL)
+    assert (first.epsilon, first.regime, first.seed) == (0.3, "suboptimal", 0)
     # The trials use the chosen settings.
     trial = campaign_jobs(rows)[13]
     assert (trial.epsilon, trial.tuned) == (0.3, Tuned(steps=100, clip=1.0, learning_rate=2.0))
@@ -200,7 +204,8 @@ def test_a_grid_whose_best_point_has_its_largest_t0_grows_along_t0_and_trials_wa
     assert tuning_grid(rows, 0.3) == [j for j in tuning_jobs() if j.epsilon == 0.3]  # tied: T0 100, interior
     assert chosen_tuning(rows, 0.5) is None and leading_tuning(rows, 0.5) == base[3].tuned
     assert "| 0.5 | 150 | 2 | 93.90 | 95.00 | leading (grid growing) |" in report_markdown(rows)
-    assert all(j.kind != KIND_TRIAL for j in campaign_jobs(rows)) and grown[4] in pending_jobs(rows)
+    assert all(j.epsilon != 0.5 for j in campaign_jobs(rows) if j.kind == KIND_TRIAL)
+    assert grown[4] in pending_jobs(rows)
     rows.append(tune_row(grown[4], 0.96))  # T0 200 wins again: T0 250 next
     assert [j.tuned.steps for j in tuning_grid(rows, 0.5)[4:]] == [200, 250]
     rows.append(tune_row(tuning_grid(rows, 0.5)[5], 0.955))  # T0 250 loses: the grid is complete
@@ -565,9 +570,17 @@ def test_campaign_once_runs_one_job_stops_on_a_second_failure_and_when_done(
     ran: list[str] = []
 
     def fake_run(
-        job: Job, *, out: Path, data_dir: Path | None, engine: str, rows: list[dict[str, Any]], resume: Path | None
+        job: Job,
+        *,
+        out: Path,
+        data_dir: Path | None,
+        engine: str,
+        rows: list[dict[str, Any]],
+        resume: Path | None,
+        device: str,
     ) -> Any:
         assert resume is None  # no earlier attempt left a snapshot
+        assert device == "cpu"  # the default
         ran.append(job.key)
         if job.kind == KIND_TUNE:
             raise RuntimeError("diverged")
@@ -579,7 +592,7 @@ def test_campaign_once_runs_one_job_stops_on_a_second_failure_and_when_done(
     monkeypatch.setattr(reproduce, "run_job", fake_run)
     args = ["reproduce", "fz-mnist", "--campaign", "--once", "--results", str(results), "--out", str(out)]
     assert main(args) == 0  # the prefix check, appended
-    assert [r["job"] for r in load_results(results)] == [fz.prefix_check_job().key]
+    assert [(r["job"], r["device"]) for r in load_results(results)] == [(fz.prefix_check_job().key, "cpu")]
     assert main(args) == 0  # the first tuning job fails once: tried again by the next call
     assert main(args) == reproduce.CAMPAIGN_STUCK  # fails twice: stop
     assert main(args) == reproduce.CAMPAIGN_STUCK and len(ran) == 3  # not tried a third time
@@ -684,6 +697,22 @@ def test_a_claim_goes_with_the_process_that_held_it(tmp_path: Path) -> None:
     hold = reproduce.claim(claims, job)  # killed mid-job (a session's end): no stale claim
     assert hold is not None
     hold.close()
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [
+        ("gpu", "--device: expected 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+        ("cuda:99", "--device: expected a CUDA device torch sees, got 'cuda:99'"),
+    ],
+)
+def test_campaign_device_must_be_one_torch_sees(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], device: str, expected: str
+) -> None:
+    args = ["reproduce", "fz-mnist", "--campaign", "--once", "--device", device]
+    assert main([*args, "--results", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "out")]) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before any job was taken
 
 
 def test_campaign_threads_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
