@@ -51,8 +51,13 @@ def test_a_campaign_job_on_cuda_charges_and_learns_as_on_the_cpu(tmp_path: Path)
         # 500 test records: 0.01 is 5 records; the two runs' models differ by float32 rounding only.
         for r, a in c["accuracy_by_round"].items():
             assert abs(a - g["accuracy_by_round"][r]) <= 0.01, (r, a, g["accuracy_by_round"][r])
-    # Every ledger charged the same releases, norm for norm (relative 1e-4: rounding of different kernels).
+    # Every ledger charged the same releases, norm for norm, up to float32 rounding of different kernels:
+    # relative 1e-4, or 2e-4 of the clip (1.5 here, the scale of every charge) for a small norm. At lr 2 on
+    # 300 records the logits reach the thousands, and a well-classified record's gradient is a difference
+    # of probabilities near 1: on an H100 (2026-11-27) 29 of 30 norms of one release agreed to 1e-4
+    # relative, and one of 0.0148 differed by 7.9e-5 (0.5 %), 5e-5 of the clip.
+    clip = 1.5  # suboptimal epsilon 0.3: 1.5 C0
     for c_rel, g_rel in zip(_releases(tmp_path / "cpu"), _releases(tmp_path / "gpu"), strict=True):
         assert len(c_rel) == len(g_rel)
         for a, b in zip(c_rel, g_rel, strict=True):
-            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-4 * clip)
