@@ -12,7 +12,7 @@ import re
 import subprocess
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -85,6 +85,14 @@ def add_parser(sub: Subparsers) -> None:
     run.add_argument("--once", action="store_true", help="--campaign: run the next unfinished job, then exit")
     run.add_argument(
         "--commit", action="store_true", help="--campaign: git commit --results after every job (nothing else)"
+    )
+    run.add_argument(
+        "--only",
+        metavar="REGEX",
+        help=(
+            "--campaign: take only jobs whose key (e.g. trial/suboptimal/eps=0.3/gd+renyi/seed=2/T0=150,C0=1,lr=2) "
+            "this regular expression matches (re.search); the others are left to other workers"
+        ),
     )
     run.add_argument(
         "--device",
@@ -161,8 +169,8 @@ def run_campaign(args: argparse.Namespace) -> int:
 
     Several workers may share ``--out`` and ``--results``: each holds the job it runs (:func:`claim`),
     and appends and commits under one lock. Exit codes with ``--once``: 0 after a job (or its first
-    failure, so that a shell loop tries it again), CAMPAIGN_NOTHING_LEFT when every job is done,
-    CAMPAIGN_STUCK when the next job has failed twice, CAMPAIGN_ALL_HELD when every job that can start
+    failure, so that a shell loop tries it again), CAMPAIGN_NOTHING_LEFT when every job (``--only``: every job
+    it matches) is done, CAMPAIGN_STUCK when the next job has failed twice, CAMPAIGN_ALL_HELD when every job that can start
     is another worker's.
     """
     import torch
@@ -170,15 +178,23 @@ def run_campaign(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise SimulationError(f"--threads: expected an integer >= 1, got {args.threads}")
     check_device(args.device)
+    try:
+        only = None if args.only is None else re.compile(args.only)
+    except re.error as exc:
+        raise SimulationError(f"--only: expected a regular expression, got {args.only!r}: {exc}") from exc
+
+    def mine(job: Job) -> bool:
+        return only is None or only.search(job.key) is not None
+
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     engine = args.engine or "inprocess"
     failures_path = args.out / "campaign-failures.jsonl"
     while True:
         rows = load_results(args.results)
-        if all(finished(j, rows) for j in campaign_jobs(rows)):
+        if all(finished(j, rows) for j in campaign_jobs(rows) if mine(j)):
             log.info("fz-mnist campaign: every job is in %s", args.results)
             return CAMPAIGN_NOTHING_LEFT
-        taken = _take_job(args, rows, failures_path)
+        taken = _take_job(args, rows, failures_path, mine)
         if isinstance(taken, int):
             return taken
         job, hold, rows = taken
@@ -221,11 +237,12 @@ def run_campaign(args: argparse.Namespace) -> int:
 
 
 def _take_job(
-    args: argparse.Namespace, rows: list[dict[str, Any]], failures_path: Path
+    args: argparse.Namespace, rows: list[dict[str, Any]], failures_path: Path, mine: Callable[[Job], bool]
 ) -> tuple[Job, BinaryIO, list[dict[str, Any]]] | int:
-    """The first job that can start and no other worker holds, held (with the rows read after taking it);
-    or the exit code when there is none: CAMPAIGN_STUCK (it failed twice) or CAMPAIGN_ALL_HELD."""
-    for job in pending_jobs(rows):
+    """The first job that can start, is ``mine`` (``--only``) and no other worker holds, held (with the rows
+    read after taking it); or the exit code when there is none: CAMPAIGN_STUCK (it failed twice) or
+    CAMPAIGN_ALL_HELD."""
+    for job in filter(mine, pending_jobs(rows)):
         if _failures(failures_path, job) >= 2:
             log.info("fz-mnist campaign: %s failed twice (%s); stopping", job.key, failures_path)
             return CAMPAIGN_STUCK

@@ -668,6 +668,34 @@ def test_workers_sharing_a_campaign_take_different_jobs(tmp_path: Path, monkeypa
     assert keys.count(third.key) == 1 and len(keys) == len(set(keys))
 
 
+def test_only_takes_the_jobs_its_pattern_matches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from simulations.cli import reproduce
+
+    results, out = tmp_path / "r.jsonl", tmp_path / "out"
+    # The prefix check and epsilon 0.3's grid are in (tied: the first point, not on the T0 edge); the
+    # other grids are not, so their tuning jobs come first in the order.
+    eps03 = [tune_row(j, 0.9) for j in tuning_jobs() if j.epsilon == 0.3]
+    append_results(results, [*fake_prefix_rows(fz.prefix_check_job()), *eps03])
+    ran: list[str] = []
+
+    def fake_run(job: Job, **_: Any) -> list[dict[str, Any]]:
+        ran.append(job.key)
+        return [trial_row(job, m, 0.9) | {"wall_s": 1.0} for m in job.row_methods]
+
+    monkeypatch.setattr(reproduce, "run_job", fake_run)
+    args = ["reproduce", "fz-mnist", "--campaign", "--once", "--results", str(results), "--out", str(out)]
+    wanted = r"^trial/suboptimal/eps=0\.3/gd\+renyi/seed=2/"
+    assert main([*args, "--only", wanted]) == 0
+    assert len(ran) == 1 and ran[0].startswith("trial/suboptimal/eps=0.3/gd+renyi/seed=2/")
+    # Every job it matches is done: nothing left for this worker, though tuning jobs are pending.
+    assert main([*args, "--only", wanted]) == reproduce.CAMPAIGN_NOTHING_LEFT and len(ran) == 1
+    assert any(j.kind == KIND_TUNE for j in pending_jobs(load_results(results)))
+    assert main([*args, "--only", "(unclosed"]) == 2 and len(ran) == 1
+    assert "--only: expected a regular expression, got '(unclosed'" in capsys.readouterr().err
+
+
 def test_a_claim_goes_with_the_process_that_held_it(tmp_path: Path) -> None:
     import subprocess
     import sys
