@@ -16,7 +16,26 @@ from typing import Protocol
 import torch
 from torch import nn
 
-_SUM_RECORDS = 64  # records of rows converted to float64 at a time for the weighted sum
+_SUM_RECORDS = 64  # records of rows converted to float64 at a time (weighted sum, squared norms) on a CPU
+# On another device (a GPU) each operation costs a launch, tens of microseconds from Python whatever its
+# size: runs of up to 2^25 floats of float64 rows (256 MiB), so that the runs of a request are a few
+# operations rather than thousands (benchmarks/engine_ops.py).
+_DEVICE_SUM_FLOATS = 1 << 25
+
+
+def sum_records(t: torch.Tensor) -> int:
+    """Records (rows of ``t``, shape (B, ...)) per float64 run: :data:`_SUM_RECORDS` on a CPU, where a run
+    stays in cache; elsewhere as many as fit :data:`_DEVICE_SUM_FLOATS` (at least :data:`_SUM_RECORDS`).
+    Fixed by the device and the shape of a row, never by the data; the run length changes only the order
+    of float64 roundings, never which records enter or how (each product is exact in float64)."""
+    if t.device.type == "cpu":
+        return _SUM_RECORDS
+    row = 1
+    for n in t.shape[1:]:
+        row *= int(n)
+    return max(_SUM_RECORDS, _DEVICE_SUM_FLOATS // max(1, row))
+
+
 View = Callable[[str], torch.Tensor]
 
 
@@ -82,7 +101,7 @@ class DenseRows:
 
     def add(self, wk: torch.Tensor, keep: torch.Tensor, view: View) -> None:
         """The rows are zeroed in place outside ``keep`` (the same bitwise AND on every record: a non-finite
-        row times 0 would be NaN), then summed weighted in float64, a run of :data:`_SUM_RECORDS` records
+        row times 0 would be NaN), then summed weighted in float64, a run of :func:`sum_records` records
         converted at a time: each product is exact to float64 rounding, and including or leaving out a
         record changes the rounding of the others' sum by float64 amounts only."""
         for name, t in self.tensors.items():
@@ -93,8 +112,9 @@ class DenseRows:
                 continue
             flat = t.reshape(t.shape[0], -1)
             summed = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
-            for i in range(0, flat.shape[0], _SUM_RECORDS):
-                summed += torch.mv(flat[i : i + _SUM_RECORDS].t().to(torch.float64), wk[i : i + _SUM_RECORDS])
+            run = sum_records(flat)
+            for i in range(0, flat.shape[0], run):
+                summed += torch.mv(flat[i : i + run].t().to(torch.float64), wk[i : i + run])
             shaped = summed.view(t.shape[1:])
             view(name).add_(self.to_param[name](shaped) if name in self.to_param else shaped)
 
@@ -102,7 +122,7 @@ class DenseRows:
 def squared_norms(flat: torch.Tensor) -> torch.Tensor:
     """Each row's squared L2 norm, float64 (B,), with a relative error below gamma_d in float64.
 
-    Each run of :data:`_SUM_RECORDS` rows is converted to float64 (exactly: float32, bfloat16 and
+    Each run of :func:`sum_records` rows is converted to float64 (exactly: float32, bfloat16 and
     float16 values are float64 values) and its squares summed there: no float32 square can underflow
     (a review found float32 squares of entries below 2^-63 lost, and half-precision runs rounded to 8
     bits), and the only error is float64 rounding, gamma_d = d 2^-53 / (1 - d 2^-53) relative for a row of
@@ -110,8 +130,9 @@ def squared_norms(flat: torch.Tensor) -> torch.Tensor:
     d <= 2^33. The streaming engine's NORM_REL_ERROR is set from this bound (client_agent/streaming.py).
     """
     out = torch.empty(flat.shape[0], dtype=torch.float64, device=flat.device)
-    for i in range(0, flat.shape[0], _SUM_RECORDS):
-        out[i : i + _SUM_RECORDS] = flat[i : i + _SUM_RECORDS].to(torch.float64).square().sum(dim=1)
+    run = sum_records(flat)
+    for i in range(0, flat.shape[0], run):
+        out[i : i + run] = flat[i : i + run].to(torch.float64).square().sum(dim=1)
     return out
 
 

@@ -2,7 +2,8 @@
 
 Each record's weight gradient is its backprop (C_out, L) times its unfolded input (L, C k), one
 batched matmul per block of about :data:`_BLOCK_FLOATS` floats of patches and rows, so that a block
-stays in cache. The rows are in patch order; ``to_param`` permutes a summed row to the weight's
+stays in cache (on a GPU, :data:`_DEVICE_BLOCK_FLOATS`: there a block is bounded by memory, and each
+matmul costs a launch). The rows are in patch order; ``to_param`` permutes a summed row to the weight's
 (C_out, C, *kernel) layout. A Conv1d is a Conv2d of height 1.
 """
 
@@ -18,6 +19,8 @@ from client_agent.layers.base import DenseRows, Rows
 # Floats per block of records for the patches and per-record gradients: 2^19 floats is 2 MiB in
 # float32, about what stays in a core's cache.
 _BLOCK_FLOATS = 1 << 19
+# On another device (a GPU): 2^26 floats (256 MiB of float32 patches and rows) a block, a few blocks a chunk.
+_DEVICE_BLOCK_FLOATS = 1 << 26
 
 Pair = tuple[int, int]
 
@@ -69,7 +72,8 @@ class ConvKind:
         positions, inputs = g2.shape[2] * g2.shape[3], c_in * k[0] * k[1]
         gb = g2.reshape(-1, c_out, positions)
         weight = torch.empty(gb.shape[0], c_out, inputs, dtype=a.dtype, device=a.device)
-        step = max(1, _BLOCK_FLOATS // (inputs * (positions + c_out)))
+        block = _BLOCK_FLOATS if a.device.type == "cpu" else _DEVICE_BLOCK_FLOATS
+        step = max(1, block // (inputs * (positions + c_out)))
         for i in range(0, gb.shape[0], step):
             torch.bmm(gb[i : i + step], patches(a2[i : i + step], k, d, p, s), out=weight[i : i + step])
         shape = cast(torch.Tensor, m.weight).shape

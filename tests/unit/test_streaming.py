@@ -383,6 +383,39 @@ def test_the_engine_keeps_a_channels_last_model_in_its_layout_and_gives_the_nchw
     assert rel(total, weights(0, norms) @ rows) <= 1e-5
 
 
+def test_a_gpus_run_lengths_give_the_cpus_norms_and_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the float64 runs and the conv blocks are long (few launches a request); forced on the CPU
+    they give the same norms, bit for bit, and the same sum to float64 rounding: the run length orders
+    float64 roundings only, and a record's row and norm are its own whatever run it is in."""
+    from client_agent.layers import base
+
+    assert base.sum_records(torch.empty(300, 26_010)) == base._SUM_RECORDS  # a CPU: a run that stays in cache
+    on_gpu = base.sum_records(torch.empty(300, 26_010, device="meta"))  # any other device: by floats
+    assert on_gpu == base._DEVICE_SUM_FLOATS // 26_010 == 1290
+    assert base.sum_records(torch.empty(3, 1 << 26, device="meta")) == base._SUM_RECORDS  # at least that
+
+    model = build_model("opacus_mnist_cnn", seed=0)
+    x = torch.randn(300, 1, 28, 28, generator=torch.Generator().manual_seed(5)).numpy()
+    y = np.arange(300) % 10
+
+    def weights(start: int, norms: np.ndarray) -> np.ndarray:
+        return np.minimum(1.0, 0.5 / np.maximum(norms, 1e-12))
+
+    norms, total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights)
+    real, runs = base.sum_records, []
+
+    def gpu_runs(t: torch.Tensor) -> int:  # the GPU's run lengths, here
+        runs.append(real(t.to("meta")))
+        return runs[-1]
+
+    monkeypatch.setattr(base, "sum_records", gpu_runs)
+    monkeypatch.setattr(conv, "_BLOCK_FLOATS", conv._DEVICE_BLOCK_FLOATS)
+    long_norms, long_total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights)
+    assert runs and min(runs) >= 300  # every layer's rows in one run
+    np.testing.assert_array_equal(long_norms, norms)
+    assert rel(long_total, total) <= 1e-14
+
+
 def test_null_records_have_norm_zero_and_contribute_nothing() -> None:
     model, x, y, _ = CASES["mlp+layernorm"]
     x, y = x.copy(), y.copy()
