@@ -46,25 +46,31 @@ def main() -> None:
     x = normalise_images(images[: args.records])
     y = np.asarray(labels[: args.records], dtype=np.int64)
     model, loss = build_model("opacus_mnist_cnn", seed=0), functools.partial(F.cross_entropy, reduction="none")
-    cpu_runs, cpu_block = base.sum_records, conv._BLOCK_FLOATS
+    cpu_runs, cpu_blocks = base.sum_records, conv.block_records
+    meta = torch.device("meta")
     results = {}
-    for name in ("cpu", "gpu"):
-        if name == "gpu":  # a GPU's lengths on this CPU: the same operations the GPU would launch
-            base.sum_records = lambda t: cpu_runs(t.to("meta"))  # type: ignore[assignment]
-            conv._BLOCK_FLOATS = conv._DEVICE_BLOCK_FLOATS
-        fused_clipped_sum(model, loss, ArraySource(x, y), _clip)  # warm: the plan, the allocator
-        with torch.profiler.profile() as prof:
-            started = time.perf_counter()
-            norms, total, _ = fused_clipped_sum(model, loss, ArraySource(x, y), _clip)
-            seconds = time.perf_counter() - started
-        ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
-        results[name] = (ops, seconds, norms, total)
-        print(f"{name} run lengths: {ops} top-level ATen operations, {seconds:.2f} s (profiled) on this CPU")
-    base.sum_records, conv._BLOCK_FLOATS = cpu_runs, cpu_block
+    try:
+        for name in ("cpu", "gpu"):
+            if name == "gpu":  # a GPU's lengths on this CPU: the same operations the GPU would launch
+                base.sum_records = lambda t: cpu_runs(t.to(meta))  # type: ignore[assignment]
+                conv.block_records = lambda device, *shape: cpu_blocks(meta, *shape)  # type: ignore[assignment]
+            fused_clipped_sum(model, loss, ArraySource(x, y), _clip)  # warm: the plan, the allocator
+            with torch.profiler.profile() as prof:
+                started = time.perf_counter()
+                norms, total, _ = fused_clipped_sum(model, loss, ArraySource(x, y), _clip)
+                seconds = time.perf_counter() - started
+            ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+            results[name] = (ops, seconds, norms, total)
+            print(f"{name} run lengths: {ops} top-level ATen operations, {seconds:.2f} s (profiled) on this CPU")
+    finally:
+        base.sum_records, conv.block_records = cpu_runs, cpu_blocks
     (c_ops, _, c_norms, c_total), (g_ops, _, g_norms, g_total) = results["cpu"], results["gpu"]
-    assert np.array_equal(c_norms, g_norms), "norms differ between run lengths"
+    norms_diff = float(np.max(np.abs(c_norms - g_norms) / np.maximum(c_norms, 1e-300)))
     diff = float(np.max(np.abs(c_total - g_total)) / np.max(np.abs(c_total)))
-    print(f"norms equal; sums within {diff:.1e} relative; ratio={c_ops / g_ops:.2f} (operations, cpu / gpu lengths)")
+    print(
+        f"norms within {norms_diff:.1e} relative ({'bit for bit' if np.array_equal(c_norms, g_norms) else 'not'} "
+        f"equal); sums within {diff:.1e} relative; ratio={c_ops / g_ops:.2f} (operations, cpu / gpu lengths)"
+    )
 
 
 if __name__ == "__main__":

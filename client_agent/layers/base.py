@@ -18,22 +18,24 @@ from torch import nn
 
 _SUM_RECORDS = 64  # records of rows converted to float64 at a time (weighted sum, squared norms) on a CPU
 # On another device (a GPU) each operation costs a launch, tens of microseconds from Python whatever its
-# size: runs of up to 2^25 floats of float64 rows (256 MiB), so that the runs of a request are a few
-# operations rather than thousands (benchmarks/engine_ops.py).
-_DEVICE_SUM_FLOATS = 1 << 25
+# size: runs of up to 2^24 floats of float64 rows (128 MiB, the size of the engine's float32 block of rows,
+# streaming._EXPLICIT_FLOATS), so that the runs of a request are a few operations rather than thousands
+# (benchmarks/engine_ops.py).
+_DEVICE_SUM_FLOATS = 1 << 24
 
 
 def sum_records(t: torch.Tensor) -> int:
     """Records (rows of ``t``, shape (B, ...)) per float64 run: :data:`_SUM_RECORDS` on a CPU, where a run
-    stays in cache; elsewhere as many as fit :data:`_DEVICE_SUM_FLOATS` (at least :data:`_SUM_RECORDS`).
-    Fixed by the device and the shape of a row, never by the data; the run length changes only the order
-    of float64 roundings, never which records enter or how (each product is exact in float64)."""
+    stays in cache; elsewhere as many as fit :data:`_DEVICE_SUM_FLOATS` (at least one). Fixed by the
+    device and the shape of a row, never by the data; the run length changes only the order of float64
+    roundings (each square is exact in float64, each weighted product rounded once), never which records
+    enter or how."""
     if t.device.type == "cpu":
         return _SUM_RECORDS
     row = 1
     for n in t.shape[1:]:
         row *= int(n)
-    return max(_SUM_RECORDS, _DEVICE_SUM_FLOATS // max(1, row))
+    return max(1, _DEVICE_SUM_FLOATS // max(1, row))
 
 
 View = Callable[[str], torch.Tensor]
@@ -132,7 +134,8 @@ def squared_norms(flat: torch.Tensor) -> torch.Tensor:
     out = torch.empty(flat.shape[0], dtype=torch.float64, device=flat.device)
     run = sum_records(flat)
     for i in range(0, flat.shape[0], run):
-        out[i : i + run] = flat[i : i + run].to(torch.float64).square().sum(dim=1)
+        # A copy even of float64 rows (``to`` would return them), squared in place: one float64 run at a time.
+        out[i : i + run] = flat[i : i + run].to(torch.float64, copy=True).square_().sum(dim=1)
     return out
 
 

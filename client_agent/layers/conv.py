@@ -19,8 +19,8 @@ from client_agent.layers.base import DenseRows, Rows
 # Floats per block of records for the patches and per-record gradients: 2^19 floats is 2 MiB in
 # float32, about what stays in a core's cache.
 _BLOCK_FLOATS = 1 << 19
-# On another device (a GPU): 2^26 floats (256 MiB of float32 patches and rows) a block, a few blocks a chunk.
-_DEVICE_BLOCK_FLOATS = 1 << 26
+# On another device (a GPU): 2^25 floats (128 MiB of float32 patches and rows) a block, a few blocks a chunk.
+_DEVICE_BLOCK_FLOATS = 1 << 25
 
 Pair = tuple[int, int]
 
@@ -49,6 +49,14 @@ def patches(a: torch.Tensor, k: Pair, d: Pair, p: Pair, s: Pair) -> torch.Tensor
     return view.reshape(b, oh * ow, c * k[0] * k[1])
 
 
+def block_records(device: torch.device, inputs: int, positions: int, c_out: int) -> int:
+    """Records per block of patches (positions x inputs) and rows (c_out x inputs): :data:`_BLOCK_FLOATS` of
+    them on a CPU, :data:`_DEVICE_BLOCK_FLOATS` elsewhere; at least one. Fixed by the device and the layer's
+    geometry, never by the data."""
+    block = _BLOCK_FLOATS if device.type == "cpu" else _DEVICE_BLOCK_FLOATS
+    return max(1, block // (inputs * (positions + c_out)))
+
+
 class ConvKind:
     name = "conv"
 
@@ -72,8 +80,7 @@ class ConvKind:
         positions, inputs = g2.shape[2] * g2.shape[3], c_in * k[0] * k[1]
         gb = g2.reshape(-1, c_out, positions)
         weight = torch.empty(gb.shape[0], c_out, inputs, dtype=a.dtype, device=a.device)
-        block = _BLOCK_FLOATS if a.device.type == "cpu" else _DEVICE_BLOCK_FLOATS
-        step = max(1, block // (inputs * (positions + c_out)))
+        step = block_records(a.device, inputs, positions, c_out)
         for i in range(0, gb.shape[0], step):
             torch.bmm(gb[i : i + step], patches(a2[i : i + step], k, d, p, s), out=weight[i : i + step])
         shape = cast(torch.Tensor, m.weight).shape
