@@ -169,9 +169,9 @@ def run_campaign(args: argparse.Namespace) -> int:
 
     Several workers may share ``--out`` and ``--results``: each holds the job it runs (:func:`claim`),
     and appends and commits under one lock. Exit codes with ``--once``: 0 after a job (or its first
-    failure, so that a shell loop tries it again), CAMPAIGN_NOTHING_LEFT when every job (``--only``: every job
-    it matches) is done, CAMPAIGN_STUCK when the next job has failed twice, CAMPAIGN_ALL_HELD when every job that can start
-    is another worker's.
+    failure, so that a shell loop tries it again), CAMPAIGN_NOTHING_LEFT when every job (``--only``: every
+    job it matches) is done, CAMPAIGN_STUCK when the next job has failed twice, CAMPAIGN_ALL_HELD when every
+    job that can start is another worker's.
     """
     import torch
 
