@@ -104,7 +104,7 @@ class DenseRows:
     def add(self, wk: torch.Tensor, keep: torch.Tensor, view: View) -> None:
         """The rows are zeroed in place outside ``keep`` (the same bitwise AND on every record: a non-finite
         row times 0 would be NaN), then summed weighted in float64, a run of :func:`sum_records` records
-        converted at a time: each product is exact to float64 rounding, and including or leaving out a
+        converted at a time: each product is rounded once in float64, and including or leaving out a
         record changes the rounding of the others' sum by float64 amounts only."""
         for name, t in self.tensors.items():
             or_zero_(keep.reshape(-1, *([1] * (t.ndim - 1))), t)

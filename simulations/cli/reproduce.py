@@ -160,8 +160,9 @@ def check_device(device: str) -> None:
     if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", device):
         raise SimulationError(f"--device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     index = int(device.split(":")[1]) if ":" in device else 0
-    if device != "cpu" and (not torch.cuda.is_available() or index >= torch.cuda.device_count()):
-        raise SimulationError(f"--device: expected a CUDA device torch sees, got {device!r} (torch sees none)")
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device != "cpu" and index >= seen:
+        raise SimulationError(f"--device: expected a CUDA device torch sees, got {device!r} (torch sees {seen})")
 
 
 def run_campaign(args: argparse.Namespace) -> int:
