@@ -36,14 +36,17 @@ def _geometry(m: nn.Module) -> tuple[Pair, Pair, Pair, Pair]:
 def patches(a: torch.Tensor, k: Pair, d: Pair, p: Pair, s: Pair) -> torch.Tensor:
     """The unfolded input (b, L, k C): each patch's features in (kernel row, column, channel) order.
 
-    The input is copied once channels-last, then one strided copy gathers the patches with each
-    channel run contiguous (faster than the (C, k) order of ``F.unfold``).
+    The input is copied once channels-last (unless it is channels-last already, as a channels-last
+    model's activations are; nor is it padded without padding), then one strided copy gathers the patches
+    with each channel run contiguous (faster than the (C, k) order of ``F.unfold``). Both choices depend
+    on the layer's geometry and the model's layout only.
     """
-    padded = nn.functional.pad(a, (p[1], p[1], p[0], p[0]))
+    padded = a if p == (0, 0) else nn.functional.pad(a, (p[1], p[1], p[0], p[0]))
     b, c, h, w = padded.shape
     oh, ow = (h - d[0] * (k[0] - 1) - 1) // s[0] + 1, (w - d[1] * (k[1] - 1) - 1) // s[1] + 1
-    last = torch.empty((b, h, w, c), dtype=a.dtype, device=a.device)
-    last.copy_(padded.permute(0, 2, 3, 1))
+    last = padded.permute(0, 2, 3, 1)
+    if not last.is_contiguous():
+        last = torch.empty((b, h, w, c), dtype=a.dtype, device=a.device).copy_(last)
     sb, sh, sw, sc = last.stride()
     view = last.as_strided((b, oh, ow, k[0], k[1], c), (sb, sh * s[0], sw * s[1], sh * d[0], sw * d[1], sc))
     return view.reshape(b, oh * ow, c * k[0] * k[1])

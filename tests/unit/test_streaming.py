@@ -232,6 +232,23 @@ def test_the_fused_pass_does_not_depend_on_chunks_or_blocks(case: str, monkeypat
         assert rel(total, base_s) <= 1e-6
 
 
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize(("pad", "stride", "dilation"), [((0, 0), (2, 2), (1, 1)), ((3, 1), (1, 2), (2, 1))])
+def test_conv_patches_are_the_unfolded_input_in_either_layout(
+    layout: torch.memory_format, pad: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int]
+) -> None:
+    """``patches`` skips its channels-last copy for a channels-last input and its pad without padding;
+    every branch (and a slice of a batch, as the blocks take) gives F.unfold's patches, (kernel, channel)
+    reordered."""
+    a = torch.randn(7, 3, 11, 9, generator=torch.Generator().manual_seed(2)).contiguous(memory_format=layout)
+    k = (3, 2)
+    for part in (a, a[2:5]):
+        got = conv.patches(part, k, dilation, pad, stride)
+        want = F.unfold(part, k, dilation=dilation, padding=pad, stride=stride)  # (b, C k, L), C outermost
+        want = want.reshape(len(part), 3, k[0] * k[1], -1).permute(0, 3, 2, 1).reshape(len(part), -1, 3 * k[0] * k[1])
+        assert torch.equal(got, want)
+
+
 def test_the_fused_pass_gives_stopped_records_exact_zeros_whatever_their_data() -> None:
     model, x, y, _ = CASES["convs"]
     stopped = np.zeros(len(x), dtype=np.bool_)
