@@ -28,6 +28,7 @@ from simulations.reproductions.fz_sec51 import (
     append_result,
     append_results,
     campaign_jobs,
+    campaign_progress,
     cell,
     current_trials,
     finished,
@@ -36,9 +37,11 @@ from simulations.reproductions.fz_sec51 import (
     pending_jobs,
     plot_accuracy,
     plot_fig1,
+    progress_text,
     report_markdown,
     run_job,
     run_trial,
+    snapshot_round,
 )
 
 log = logging.getLogger(__name__)
@@ -114,6 +117,15 @@ def add_parser(sub: Subparsers) -> None:
     rep.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     rep.add_argument("--fig", type=Path, default=Path("docs/img/fz_fig1_active.png"))
     rep.add_argument("--accuracy-fig", type=Path, default=Path("docs/img/fz_sec51_accuracy.png"))
+    rep.add_argument(
+        "--out",
+        type=Path,
+        default=Path("fedfilter-out/fz-mnist"),
+        help="the campaign's --out: jobs stopped mid-run count the steps their snapshots hold",
+    )
+    rep.add_argument(
+        "--workers", type=int, default=2, help="campaign workers sharing the machine, for the time left (default 2)"
+    )
     rep.set_defaults(handler=run_report)
 
 
@@ -297,6 +309,21 @@ def resumable_attempt(campaign: Path, prefix: str) -> Path | None:
     return found[-1] if found else None
 
 
+def snapshot_rounds(out: Path, rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Each unfinished job's key -> the round of the snapshot its last stopped attempt under ``out`` left."""
+    found = {}
+    for job in campaign_jobs(rows):
+        attempt = None if finished(job, rows) else resumable_attempt(out / "campaign", job_prefix(job))
+        if attempt is not None:
+            try:
+                found[job.key] = snapshot_round(attempt / SNAPSHOT)
+            except (OSError, ValueError, KeyError) as exc:
+                raise SimulationError(
+                    f"{attempt / SNAPSHOT}: expected a run's snapshot, could not read it: {exc}"
+                ) from exc
+    return found
+
+
 def _failures(path: Path, job: Job) -> int:
     if not path.exists():
         return 0
@@ -332,8 +359,11 @@ def commit_results(path: Path, message: str) -> bool:
 def run_report(args: argparse.Namespace) -> int:
     """The report (markdown, printed) and the figures (PNG) from ``--results``: the campaign's rows, with the
     tuning grid, the prefix check and the earlier (T0 = 40) trials apart."""
+    if args.workers < 1:
+        raise SimulationError(f"--workers: expected an integer >= 1, got {args.workers}")
     rows = load_results(args.results)
     print(report_markdown(rows))
+    print("\n" + progress_text(campaign_progress(rows, snapshot_rounds(args.out, rows)), workers=args.workers))
     trials = current_trials(rows)
     fig = plot_fig1([r for r in trials if r["regime"] == "tuned"], args.fig)
     acc = plot_accuracy(trials, args.accuracy_fig)

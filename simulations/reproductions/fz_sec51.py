@@ -389,8 +389,7 @@ def run_federation(
     resumed_at = None
     if resume is not None:
         start = {"noise_seed": start["noise_seed"], "resume": str(resume)}
-        with np.load(resume, allow_pickle=False) as saved:
-            resumed_at = int(json.loads(str(saved["meta"]))["round"])
+        resumed_at = snapshot_round(resume)
     selection = {} if select_from is None else selection_keys(c, select_from)
     cfg = CoordinatorConfig(
         num_nodes=CLIENTS,
@@ -416,6 +415,12 @@ def run_federation(
     started = time.monotonic()
     summary = run_engine(engine, cfg, per, evaluate=evaluate)
     return Federation(summary, per, round(time.monotonic() - started, 1), n_train, evaluate, resumed_at)
+
+
+def snapshot_round(path: Path) -> int:
+    """The last round a run's snapshot (coordinator/resume.py, written whole by one rename) holds."""
+    with np.load(path, allow_pickle=False) as saved:
+        return int(json.loads(str(saved["meta"]))["round"])
 
 
 def selection_keys(c: Cell, select_from: int) -> dict[str, Any]:
@@ -650,15 +655,21 @@ def campaign_jobs(rows: list[dict[str, Any]]) -> list[Job]:
     """Every job in the order of issue 26: the prefix check; the tuning grid; then seed 0 of the six cells (GD +
     Rényi in one run, suboptimal first), seeds 1-2, the GDP column, where an epsilon's trials appear once every
     point of its own grid has its row (its tuning does not depend on the other epsilons')."""
-    jobs = [prefix_check_job(), *tuning_jobs(rows)]
-    chosen = {eps: chosen_tuning(rows, eps) for eps in EPSILONS}
+    # An epsilon's trials wait for its own grid, not for the others'.
+    return [prefix_check_job(), *tuning_jobs(rows), *trial_jobs({eps: chosen_tuning(rows, eps) for eps in EPSILONS})]
+
+
+def trial_jobs(tuned: dict[float, Tuned | None]) -> list[Job]:
+    """The trial jobs in the campaign's order (seed 0, seeds 1-2, the GDP column; suboptimal first) for the
+    epsilons that have settings in ``tuned`` (None: none yet)."""
+    jobs = []
     for method, seeds in (("gd+renyi", TRIAL_SEEDS[:1]), ("gd+renyi", TRIAL_SEEDS[1:]), ("gdp", TRIAL_SEEDS)):
         for seed in seeds:
             for regime in ("suboptimal", "tuned"):
                 for eps in EPSILONS:
-                    tuned = chosen[eps]
-                    if tuned is not None:  # an epsilon's trials wait for its own grid, not for the others'
-                        jobs.append(Job(KIND_TRIAL, eps, regime, method, seed, tuned))
+                    t = tuned.get(eps)
+                    if t is not None:
+                        jobs.append(Job(KIND_TRIAL, eps, regime, method, seed, t))
     return jobs
 
 
@@ -679,6 +690,107 @@ def pending_jobs(rows: list[dict[str, Any]]) -> list[Job]:
 def next_job(rows: list[dict[str, Any]]) -> Job | None:
     """The first job of :func:`pending_jobs` (None when none can start)."""
     return next(iter(pending_jobs(rows)), None)
+
+
+# --- what is left: the campaign's progress and an estimate of its remaining time ----------------------
+
+
+def job_rounds(job: Job) -> tuple[int, int]:
+    """(the round ``job``'s run starts after, its last round): a tuning run's T0; a gd+renyi trial's filtered
+    run (its GD row is read from that run); a GDP run's branch, from GD's last worst-case step on."""
+    if job.kind == KIND_TUNE:
+        return 0, job.tuned.steps
+    if job.method == "gdp":
+        gd = cell(job.epsilon, job.regime, "gd", tuned=job.tuned)
+        return gd.steps, cell(job.epsilon, job.regime, "gdp", tuned=job.tuned).steps
+    return 0, cell(job.epsilon, job.regime, "renyi", tuned=job.tuned).steps
+
+
+def segment_steps(row: dict[str, Any]) -> int | None:
+    """The rounds a row's ``wall_s`` covers (from ``resumed_at_round``, or the run's start, to its last round);
+    None for a row whose wall time is another row's (a gd+renyi job's GD row) or that is not a campaign run."""
+    if "job" not in row or "wall_s" not in row or row_kind(row) not in (KIND_TUNE, KIND_TRIAL):
+        return None
+    if row_kind(row) == KIND_TRIAL and row.get("method") not in ("renyi", "gdp"):
+        return None
+    start = int(row.get("resumed_at_round") or 0)
+    if row.get("method") == "gdp":
+        t = Tuned(int(row["tuned_steps"]), float(row["tuned_clip"]), float(row["tuned_learning_rate"]))
+        start = max(start, cell(float(row["epsilon"]), str(row["regime"]), "gd", tuned=t).steps)
+    steps = int(row["rounds_completed"]) - start
+    return steps if steps > 0 else None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What is left of the campaign (:func:`campaign_progress`)."""
+
+    done: int  # jobs listed now whose rows are all in the results file
+    listed: int  # jobs listed now (campaign_jobs: trials of an epsilon appear once its grid is complete)
+    steps_left: int  # rounds the unfinished listed jobs still run (less what their snapshots passed)
+    snapshot_steps: int  # rounds of those jobs already past in snapshots
+    waiting: dict[float, tuple[Tuned, int]]  # epsilon whose grid grows -> (its leading point, its trials' rounds)
+    seconds: float  # wall seconds of the recent segments the pace is measured on (0: none)
+    seconds_steps: int  # their rounds
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        return self.seconds / self.seconds_steps if self.seconds_steps else None
+
+
+def campaign_progress(rows: list[dict[str, Any]], at_round: dict[str, int], *, recent: int = 8) -> Progress:
+    """The campaign's progress from its results and ``at_round`` (a job's key -> the round of its snapshot,
+    for jobs stopped mid-run), with the pace of its ``recent`` last CPU segments (wall seconds per round)."""
+    jobs = campaign_jobs(rows)
+    pending = [j for j in jobs if not finished(j, rows)]
+    left = past = 0
+    for j in pending:
+        start, end = job_rounds(j)
+        reached = min(end, max(start, at_round.get(j.key, start)))
+        left += end - reached
+        past += reached - start
+    waiting = {}
+    for eps in EPSILONS:
+        leading = leading_tuning(rows, eps)
+        if chosen_tuning(rows, eps) is None and leading is not None:
+            rounds = sum(b - a for a, b in map(job_rounds, trial_jobs({eps: leading})))
+            waiting[eps] = (leading, rounds)
+    timed = [r for r in rows if segment_steps(r) is not None and r.get("device", "cpu") == "cpu"]
+    timed = sorted(timed, key=lambda r: str(r.get("finished_utc", "")))[-recent:]
+    return Progress(
+        done=len(jobs) - len(pending),
+        listed=len(jobs),
+        steps_left=left,
+        snapshot_steps=past,
+        waiting=waiting,
+        seconds=sum(float(r["wall_s"]) for r in timed),
+        seconds_steps=sum(segment_steps(r) or 0 for r in timed),
+    )
+
+
+def progress_text(p: Progress, *, workers: int) -> str:
+    """The report's paragraph on what is left, with hours at the measured pace for ``workers`` workers."""
+    lines = [
+        f"Campaign progress: {p.done} of the {p.listed} jobs listed now are done; the other {p.listed - p.done} "
+        f"run {p.steps_left:,} more steps ({p.snapshot_steps:,} already past in their snapshots)."
+    ]
+    for eps, (t, rounds) in p.waiting.items():
+        lines.append(
+            f"Not listed yet: the trials at ε {eps:g}, which wait for its tuning grid (it may still grow); at its "
+            f"leading point (T0 = {t.steps}, lr {t.learning_rate:g}) they would run {rounds:,} steps."
+        )
+    pace = p.seconds_per_step
+    if pace is None:
+        lines.append("No campaign run on the CPU has finished yet: no pace to estimate the time from.")
+    else:
+        steps = p.steps_left + sum(rounds for _, rounds in p.waiting.values())
+        hours = steps * pace / 3600
+        lines.append(
+            f"At {pace:.1f} s a step (the last finished CPU runs: {p.seconds_steps:,} steps in {p.seconds:,.0f} s), "
+            f"that is about {hours:,.0f} worker-hours, {hours / workers:,.0f} hours with {workers} worker"
+            f"{'s' if workers != 1 else ''} (a step on 50,000 tuning records costs about 5/6 of one on 60,000)."
+        )
+    return "\n".join(lines)
 
 
 def _stamp(job: Job, row: dict[str, Any], out: Path) -> dict[str, Any]:

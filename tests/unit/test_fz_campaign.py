@@ -558,6 +558,84 @@ def test_report_keeps_campaign_trials_tuning_and_earlier_rows_apart() -> None:
     assert "| 0.3 | suboptimal | 84.47 | 92.25 | 49.38 (1 trial) | not run | not run |" in earlier
 
 
+def test_job_rounds_are_the_runs_own_rounds() -> None:
+    t = Tuned(steps=150, clip=1.0, learning_rate=2.0)
+    assert fz.job_rounds(Job(KIND_TUNE, 0.3, "tuned", "gd", 0, t)) == (0, 150)
+    assert fz.job_rounds(Job(KIND_TRIAL, 0.3, "tuned", "gd+renyi", 0, t)) == (0, 225)  # 1.5 T0 (module docstring)
+    assert fz.job_rounds(Job(KIND_TRIAL, 0.3, "suboptimal", "gd+renyi", 0, t)) == (0, 150)
+    # GDP branches at GD's last worst-case step: floor(150 / 1.5^2) = 66 (the rows above: GD 66 steps).
+    assert fz.job_rounds(Job(KIND_TRIAL, 0.3, "suboptimal", "gdp", 0, t)) == (66, 150)
+    assert fz.job_rounds(Job(KIND_TRIAL, 0.3, "tuned", "gdp", 0, t)) == (150, 225)
+
+
+def test_progress_counts_the_steps_left_less_the_snapshots_and_the_trials_still_waiting() -> None:
+    rows = all_tuned(0.9)  # every grid complete, the earliest point chosen (all tie)
+    jobs = campaign_jobs(rows)
+    first = jobs[13]  # seed 0, suboptimal, eps 0.3, T0 100
+    gdp = next(j for j in jobs if j.method == "gdp")
+    whole = sum(b - a for a, b in map(fz.job_rounds, jobs[13:]))
+    # A snapshot past the end counts the job's whole run; a GDP snapshot before its branch counts none.
+    p = fz.campaign_progress(rows, {first.key: 40, gdp.key: 3, tuning_jobs()[0].key: 99})
+    assert (p.done, p.listed) == (len(tuning_jobs()), len(jobs))  # the prefix check is not done
+    assert p.snapshot_steps == 40 and p.steps_left == whole - 40 + fz.job_rounds(fz.prefix_check_job())[1]
+    assert p.waiting == {} and p.seconds_per_step is None
+    assert "No campaign run on the CPU has finished yet" in fz.progress_text(p, workers=2)
+
+    partial = [r for r in rows if r["job"] != tuning_jobs()[5].key]  # eps 0.5's grid not complete
+    waiting = fz.campaign_progress(partial, {}).waiting
+    leading = leading_tuning(partial, 0.5)
+    assert leading is not None and set(waiting) == {0.5}
+    assert waiting[0.5] == (leading, sum(b - a for a, b in map(fz.job_rounds, fz.trial_jobs({0.5: leading}))))
+    assert "the trials at ε 0.5, which wait for its tuning grid" in fz.progress_text(
+        fz.campaign_progress(partial, {}), workers=1
+    )
+
+
+def test_progress_pace_is_wall_seconds_over_the_rounds_each_row_ran() -> None:
+    rows = all_tuned(0.9)
+    jobs = campaign_jobs(rows)
+    job, gdp = jobs[13], next(j for j in jobs if j.method == "gdp" and j.regime == "suboptimal")
+    tuned = {"tuned_steps": 100, "tuned_clip": 1.0, "tuned_learning_rate": 2.0}
+    rows[0] |= {"wall_s": 500.0, "rounds_completed": 100, "finished_utc": "2026-11-27T01:00:00Z"}  # 100 rounds
+    rows += [
+        # GD's row shares the filtered run's wall time: not counted twice.
+        trial_row(job, "gd", 0.9, wall_s=900.0, rounds_completed=44, finished_utc="2026-11-27T02:00:00Z"),
+        trial_row(job, "renyi", 0.9, wall_s=600.0, rounds_completed=100, resumed_at_round=40)
+        | {"finished_utc": "2026-11-27T02:00:00Z"},  # 60 rounds
+        # A GDP run starts after GD's 44 steps (floor(100 / 1.5^2)): 56 rounds.
+        trial_row(gdp, "gdp", 0.9, wall_s=560.0, rounds_completed=100, finished_utc="2026-11-27T03:00:00Z") | tuned,
+        # A GPU run's pace is not this machine's.
+        trial_row(job, "renyi", 0.9, wall_s=1.0, rounds_completed=100, device="cuda")
+        | {"finished_utc": "2026-11-27T04:00:00Z"},
+    ]
+    p = fz.campaign_progress(rows, {})
+    assert (p.seconds, p.seconds_steps) == (1660.0, 216)
+    assert fz.campaign_progress(rows, {}, recent=1).seconds_steps == 56  # the newest CPU segment only
+    hours = (p.steps_left * 1660.0 / 216) / 3600
+    assert f"about {hours:,.0f} worker-hours, {hours / 2:,.0f} hours with 2 workers" in fz.progress_text(p, workers=2)
+
+
+def test_report_command_counts_a_stopped_jobs_snapshot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from simulations.cli.reproduce import job_prefix
+
+    rows = all_tuned(0.9)
+    results, out = tmp_path / "r.jsonl", tmp_path / "out"
+    append_results(results, rows)
+    first = campaign_jobs(rows)[13]
+    folder = out / "campaign" / f"{job_prefix(first)}-20261127-010000"
+    (folder / fz.SNAPSHOT).parent.mkdir(parents=True)
+    np.savez(folder / fz.SNAPSHOT, meta=np.array(json.dumps({"round": 30})))
+    figs = ["--fig", str(tmp_path / "a.png"), "--accuracy-fig", str(tmp_path / "b.png")]
+    base = ["reproduce", "fz-mnist-report", "--results", str(results), "--out", str(out), *figs]
+    assert main(base) == 0
+    assert "(30 already past in their snapshots)" in capsys.readouterr().out
+    (folder / fz.SNAPSHOT).write_bytes(b"not a snapshot")
+    assert main(base) == 2
+    assert "expected a run's snapshot, could not read it" in capsys.readouterr().err
+    assert main([*base, "--workers", "0"]) == 2
+    assert "--workers: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
 # --- the campaign command ------------------------------------------------------------------------------
 
 
