@@ -630,6 +630,7 @@ class Agent:
             new_state=new_state.to_arrays(),
             reply=blob,
             base=base,
+            monitor_owner=isinstance(request, wire.MonitorRequest),
         )
         fault_point("after_commit")
         self._audit_entry = self._charged(state, new_state, quota, new_quota, release.to_arrays(), len(blob))
@@ -1058,6 +1059,16 @@ class Agent:
             raise PolicyError(
                 "monitor queries are not allowed: this client reserved no monitor cost at enrolment"
                 + ("" if monitor.kind == "none" else f" for federation {fed.name!r}")
+            )
+        # One federation's monitor, for good: the reservation covers one halt event per unit, and another
+        # federation's view counts the same units' halts again (a hostile review: the monitor flag moved
+        # from F to G between runs, every unit's halt entered 10 tree nodes against the 7 reserved). The
+        # commit claims the reservation for this federation in its transaction (client_agent/ledger.py).
+        holder = self.ledger.monitor_owner()
+        if holder is not None and holder != fed.name:
+            raise PolicyError(
+                f"monitor queries are not allowed for federation {fed.name!r}: this client's monitor reservation "
+                f"was used by federation {holder!r} (a monitor for another federation needs a new reservation)"
             )
         # The federation's own view (its quota's stops and halt rounds) when it has one; the monitor
         # counts the units that stopped *for this federation*, once each (privacy.md §7, §11).

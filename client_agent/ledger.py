@@ -46,14 +46,21 @@ import numpy as np
 
 from client_agent.high_water import HighWater, HighWaterError, Mark, fsync_path
 from protocol.errors import FedfilterError
+from protocol.messages import MONITOR
 from protocol.npz import load_stored
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 """Version of the ledger's table layout; any change to it is privacy-affecting (CHANGELOG).
 
 2: every request names its federation (the coordinator whose socket it came over) and each federation
-keeps its own per-unit spend against its quota (table ``quotas``); a version-1 ledger is migrated in
-place, in one transaction, when an agent opens it (its requests belong to federation ``default``)."""
+keeps its own per-unit spend against its quota (table ``quotas``).
+3: indexes on (federation, created_at) and (federation, run_id), so that the policy's per-federation counts
+(requests per run, per day) and a federation's first quota replay read that federation's entries only: a
+count that scanned the table read every stored reply, and took time in proportion to the *other*
+federations' volume (a hostile review: 0.02 ms with no other request, 62 ms with 1,000 of another
+federation's 200 KB replies), which their own replies' timing would carry (privacy.md §11).
+An older ledger is migrated in place, in one transaction, when an agent opens it (a version-1 ledger's
+requests belong to federation ``default``; the monitor's owner is taken from its log, :data:`MONITOR_OWNER`)."""
 
 APPLICATION_ID: Final = 0x46464C47  # "FFLG": marks an SQLite file as a fedfilter ledger
 BUSY_TIMEOUT_MS: Final = 10_000
@@ -90,7 +97,18 @@ _TO_V2: Final = (
     "ALTER TABLE requests ADD COLUMN federation TEXT NOT NULL DEFAULT 'default'",
     "CREATE TABLE quotas (federation TEXT PRIMARY KEY, sha256 TEXT NOT NULL, blob BLOB NOT NULL) STRICT",
 )
-_SCHEMA: Final = _SCHEMA_V1 + _TO_V2
+_TO_V3: Final = (
+    "CREATE INDEX requests_by_federation_time ON requests (federation, created_at)",
+    "CREATE INDEX requests_by_federation_run ON requests (federation, run_id)",
+)
+_SCHEMA: Final = _SCHEMA_V1 + _TO_V2 + _TO_V3
+# An older version's schema, and the statements that bring it to this one.
+_OLDER: Final = {"1": (_SCHEMA_V1, _TO_V2 + _TO_V3), "2": (_SCHEMA_V1 + _TO_V2, _TO_V3)}
+# The ``meta`` key naming the federation whose monitor reports used the agent's monitor reservation: set by
+# the first monitor report's commit, in its transaction; a monitor report for any other federation is then
+# refused (the reservation covers one halt event per unit, privacy.md §7, §11). A ledger migrated from an
+# older version takes it from its first stored monitor report.
+MONITOR_OWNER: Final = "monitor_federation"
 # A federation's own spend against its quota, one entry per unit (client_agent/agent.py).
 QUOTA_LAYOUT: Final = {"spent": np.dtype(np.float64), "stopped": np.dtype(np.bool_), "halt_round": np.dtype(np.int64)}
 
@@ -559,6 +577,10 @@ class Ledger:
         sql = (
             "SELECT seq, created_at, federation, message_type, run_id, request_id, length(reply), release FROM requests"
         )
+        if federation is not None:
+            # That federation's entries only, then sorted: SQLite would otherwise walk the seq index over every
+            # row (a federation's first request replays its own log, client_agent/agent.py quota_state).
+            sql += " INDEXED BY requests_by_federation_time"
         clauses, args = [], []
         if since is not None:
             clauses.append("created_at >= ?")
@@ -593,6 +615,11 @@ class Ledger:
             np.multiply(cost, cost, out=cost)
             spent = cost + spent
         return spent
+
+    def monitor_owner(self) -> str | None:
+        """The federation whose monitor reports used the monitor reservation (:data:`MONITOR_OWNER`), or None."""
+        row = self._query_one("SELECT value FROM meta WHERE key = ?", (MONITOR_OWNER,))
+        return None if row is None else str(row[0])
 
     def requests_answered(self) -> int:
         """How many requests this ledger has answered, over all runs."""
@@ -660,6 +687,7 @@ class Ledger:
         federation: str = DEFAULT_FEDERATION,
         quota_state: Mapping[str, Any] | None = None,
         base: StateRead | None = None,
+        monitor_owner: bool = False,
     ) -> None:
         """Store a request, what it released and charged, and the new state, in one durable transaction.
 
@@ -671,6 +699,8 @@ class Ledger:
 
         ``federation``: whose socket the request came over; ``quota_state``: that federation's own
         per-unit spend after it (:data:`QUOTA_LAYOUT`), stored in the same transaction.
+        ``monitor_owner``: the request is a monitor report; ``federation`` becomes the monitor's owner
+        (:data:`MONITOR_OWNER`) if it has none, and the commit is refused if another federation owns it.
 
         Privacy note: charge before release. This returns only once the transaction is committed
         with ``synchronous=FULL``; send ``reply`` after it returns. On any failure the transaction
@@ -734,6 +764,14 @@ class Ledger:
                     f"{read.sha}, {read.requests} requests), found sha256 {stored_sha}, {seq - 1} requests: "
                     "another process committed; read state() again and recompute; nothing was stored"
                 )
+            if monitor_owner:
+                conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (MONITOR_OWNER, federation))
+                (owner,) = conn.execute("SELECT value FROM meta WHERE key = ?", (MONITOR_OWNER,)).fetchone()
+                if owner != federation:
+                    raise LedgerError(
+                        f"{where}: expected the monitor reservation free or held by federation {federation!r}, found "
+                        f"it used by federation {owner!r}; nothing was stored"
+                    )
             conn.execute(
                 "INSERT INTO requests (request_id, seq, message_type, run_id, digest, created_at, release, reply, "
                 "federation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -1071,10 +1109,10 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
             if ("table", "meta") in {(kind, name) for kind, name, _, _ in objects}
             else {}
         )
-        if meta.get("schema_version") == "1":  # a version-1 ledger an agent has not migrated yet
+        if (old := meta.get("schema_version")) in _OLDER:  # an older ledger an agent has not migrated yet
             raise LedgerError(
-                f"ledger {path}: expected schema version {SCHEMA_VERSION}, found 1 (an agent opening it migrates "
-                "it: `fedfilter agent check AGENT.toml`)"
+                f"ledger {path}: expected schema version {SCHEMA_VERSION}, found {old} (an agent opening it "
+                "migrates it: `fedfilter agent check AGENT.toml`)"
             )
         if missing:
             raise _corrupt(
@@ -1085,7 +1123,7 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
         raise _corrupt(path, exc) from exc
     version = meta.get("schema_version")
     if version != str(SCHEMA_VERSION):
-        hint = " (an agent opening it migrates it: `fedfilter agent check AGENT.toml`)" if version == "1" else ""
+        hint = " (an agent opening it migrates it: `fedfilter agent check AGENT.toml`)" if version in _OLDER else ""
         raise LedgerError(f"ledger {path}: expected schema version {SCHEMA_VERSION}, found {version}{hint}")
     try:
         config = LedgerConfig.from_json(meta["config"])
@@ -1104,12 +1142,13 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
 
 
 def _migrate(path: Path) -> None:
-    """Bring a version-1 ledger to version 2 in one transaction; any other ledger is left as it is.
+    """Bring an older ledger (:data:`_OLDER`) to this version in one transaction; any other is left as it is.
 
-    Nothing is dropped or rewritten: a column (every past request is federation ``default``) and an empty
-    table are added, and the version in ``meta`` moves to 2. The ledger's id, state and requests, hence its
-    high-water mark, are unchanged. A version-1 file with any object fedfilter did not create is left
-    alone (the open that follows refuses it).
+    Nothing is dropped or rewritten: from version 1 a column (every past request is federation ``default``)
+    and an empty table are added; from versions 1 and 2, two indexes, and :data:`MONITOR_OWNER` from the
+    first stored monitor report (if any); the version in ``meta`` moves to this one. The ledger's id, state
+    and requests, hence its high-water mark, are unchanged. An older file with any object fedfilter did
+    not create is left alone (the open that follows refuses it).
     """
     try:
         key, header = _HELD.hold(path)  # never a descriptor closed under another handle's locks (_HeldFiles)
@@ -1132,27 +1171,33 @@ def _migrate_held(path: Path) -> None:
             conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             conn.execute("PRAGMA trusted_schema = OFF")
             (app_id,) = conn.execute("PRAGMA application_id").fetchone()
+            if app_id != APPLICATION_ID:
+                return  # a file the open that follows refuses
             objects = set(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
-            if app_id != APPLICATION_ID or objects != _schema_objects(_SCHEMA_V1):
-                return  # a version-2 ledger, or a file the open that follows refuses
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if row is None or row[0] != "1":
-                return
+            if row is None or row[0] not in _OLDER or objects != _schema_objects(_OLDER[row[0]][0]):
+                return  # this version's ledger, or a file the open that follows refuses
+            old = str(row[0])
         except sqlite3.Error:
             return
         try:
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute("BEGIN IMMEDIATE")
             (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if version == "1":  # another agent may have migrated it since
-                for statement in _TO_V2:
+            if version == old:  # another agent may have migrated it since
+                for statement in _OLDER[old][1]:
                     conn.execute(statement)
+                first = conn.execute(
+                    "SELECT federation FROM requests WHERE message_type = ? ORDER BY seq LIMIT 1", (MONITOR,)
+                ).fetchone()
+                if first is not None:
+                    conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (MONITOR_OWNER, first[0]))
                 conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
-            raise _corrupt(path, f"migrating from schema version 1: {exc}") from exc
+            raise _corrupt(path, f"migrating from schema version {old}: {exc}") from exc
     finally:
         conn.close()
 

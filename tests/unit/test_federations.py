@@ -17,7 +17,7 @@ import pytest
 
 from client_agent.agent import Agent
 from client_agent.config import AgentConfigError, parse_agent_config
-from client_agent.ledger import SCHEMA_VERSION, Ledger
+from client_agent.ledger import SCHEMA_VERSION, Ledger, LedgerError
 from client_agent.ledger_report import verify_ledger
 from client_agent.state import AgentState
 from protocol import messages as wire
@@ -250,6 +250,104 @@ def test_only_the_federation_holding_the_monitor_reservation_may_query_it(tmp_pa
     agent.close()
 
 
+def _tree_federations(tmp_path: Path, monitored: str) -> dict[str, Any]:
+    cfg = node_config(
+        tmp_path,
+        client_data(4, seed=1),
+        epsilon=8.0,
+        monitor="tree",
+        **{"monitor-noise-std": 5.0, "monitor-max-rounds": 64},
+    )
+    cfg["federations"] = {name: {"quota": quota, "monitor": name == monitored} for name, quota in QUOTAS.items()}
+    return cfg
+
+
+def test_the_monitor_reservation_stays_with_the_first_federation_that_used_it(tmp_path: Path) -> None:
+    """A hostile review: with the monitor flag moved from one federation to another between runs, the second
+    federation's view counted every unit's halt again, 10 tree nodes per unit against the 7 reserved (privacy.md
+    §7, §11). The first monitor report's commit now claims the reservation for its federation, for good."""
+    agent = Agent(parse_agent_config(_tree_federations(tmp_path, "alpha"), simulation=True))
+    assert not ask(agent, gradient_request("g1", round=1), "alpha").is_error
+    assert agent.ledger.monitor_owner() is None  # nothing claimed before a monitor report
+    assert not ask(agent, wire.MonitorRequest("m1", "run", 1, trust="local"), "alpha").is_error
+    assert agent.ledger.monitor_owner() == "alpha"
+    agent = _reopen(agent, _tree_federations(tmp_path, "beta"))  # the owner moves the flag: accepted at start
+    answered = agent.ledger.requests_answered()
+    refused = ask(agent, wire.MonitorRequest("m2", "run", 2, trust="local"), "beta")
+    assert refused.error_code == wire.ERR_POLICY and "was used by federation 'alpha'" in refused.local_detail
+    assert agent.ledger.requests_answered() == answered  # nothing stored, nothing released
+    # The ledger refuses it too, in the commit's own transaction (two processes racing for a first claim).
+    state = agent.ledger.state()
+    with pytest.raises(
+        LedgerError,
+        match="expected the monitor reservation free or held by federation 'beta', found it used by federation 'alpha'",
+    ):
+        agent.ledger.commit(
+            request_id="|beta|m3",
+            message_type=wire.MONITOR,
+            run_id="run",
+            digest="0" * 64,
+            release={"round": np.array([3])},
+            new_state=state,
+            reply=b"",
+            federation="beta",
+            monitor_owner=True,
+        )
+    assert agent.ledger.requests_answered() == answered and agent.ledger.monitor_owner() == "alpha"
+    agent = _reopen(agent, _tree_federations(tmp_path, "alpha"))  # back to its owner: answered
+    assert not ask(agent, wire.MonitorRequest("m4", "run", 4, trust="local"), "alpha").is_error
+    agent.close()
+
+
+def _vm_steps(ledger: Ledger, call: Any) -> int:
+    """SQLite virtual-machine instructions ``call`` runs on ``ledger``'s connection: work, not time."""
+    steps = 0
+
+    def count() -> int:
+        nonlocal steps
+        steps += 1
+        return 0
+
+    conn = ledger._connection()
+    conn.set_progress_handler(count, 1)
+    try:
+        call()
+    finally:
+        conn.set_progress_handler(None, 1)
+    return steps
+
+
+def test_a_federations_policy_counts_and_log_do_not_read_another_federations_requests(tmp_path: Path) -> None:
+    """A hostile review: the per-federation counts of every request's policy check (requests per run, per day)
+    scanned the whole table, every stored reply of every federation, so one federation's reply took longer
+    the more another had asked (0.02 ms with none, 62 ms with 1,000 of another's 200 KB replies; privacy.md
+    §11). With the schema's (federation, ...) indexes they read the asking federation's entries only: the
+    same SQLite work whatever another federation stored (instructions counted, not timed)."""
+    from datetime import UTC, datetime, timedelta
+
+    agent = Agent(parse_agent_config(two_federations(tmp_path), simulation=True))
+    assert not ask(agent, gradient_request("a1", run_id="run-a", noise_std=50.0, trust="central"), "alpha").is_error
+    # One of beta's first, so that both counts of alpha's end at one of beta's index entries.
+    assert not ask(agent, gradient_request("b", run_id="run-a", noise_std=50.0, trust="central"), "beta").is_error
+    ledger = agent.ledger
+    day = datetime.now(UTC) - timedelta(days=1)
+    reads = {
+        "per run": lambda: ledger.requests_in_run("run-a", "alpha"),
+        "per day": lambda: ledger.requests_since(day, "alpha"),
+        "its own log": lambda: list(ledger.log(federation="alpha")),
+    }
+    before = {name: _vm_steps(ledger, read) for name, read in reads.items()}
+    whole = _vm_steps(ledger, lambda: ledger.requests_since(day))  # every federation's: a scan, the control
+    for i in range(40):
+        request = gradient_request(f"b{i}", run_id="run-a", round=i + 1, noise_std=50.0, trust="central")
+        assert not ask(agent, request, "beta").is_error
+    after = {name: _vm_steps(ledger, read) for name, read in reads.items()}
+    assert after == before
+    assert _vm_steps(ledger, lambda: ledger.requests_since(day)) > whole + 40  # the measure sees a scan
+    assert ledger.requests_in_run("run-a", "alpha") == 1 and ledger.requests_in_run("run-a", "beta") == 41
+    agent.close()
+
+
 def test_two_workloads_on_one_ledger_each_request_resolves_to_its_own(tmp_path: Path) -> None:
     from examples.gn_regression import workload as example
 
@@ -319,6 +417,8 @@ def test_a_version_1_ledger_is_migrated_in_place_keeping_every_spend(tmp_path: P
     path = agent.ledger.path
     agent.close()
     with sqlite3.connect(path) as conn:  # back to version 1's layout, as a ledger written before issue 23
+        conn.execute("DROP INDEX requests_by_federation_time")
+        conn.execute("DROP INDEX requests_by_federation_run")
         conn.execute("DROP TABLE quotas")
         conn.execute("ALTER TABLE requests DROP COLUMN federation")
         conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
@@ -333,6 +433,31 @@ def test_a_version_1_ledger_is_migrated_in_place_keeping_every_spend(tmp_path: P
         assert ledger.requests_answered() == 4
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+    assert verify_ledger(path) == []
+
+
+def test_a_version_2_ledger_gains_the_indexes_and_its_monitors_owner_from_its_log(tmp_path: Path) -> None:
+    agent = Agent(parse_agent_config(_tree_federations(tmp_path, "alpha"), simulation=True))
+    assert not ask(agent, gradient_request("g1", round=1), "beta").is_error
+    assert not ask(agent, wire.MonitorRequest("m1", "run", 1, trust="local"), "alpha").is_error
+    path = agent.ledger.path
+    agent.close()
+    with sqlite3.connect(path) as conn:  # back to version 2, as a ledger written before this version
+        conn.execute("DROP INDEX requests_by_federation_time")
+        conn.execute("DROP INDEX requests_by_federation_run")
+        conn.execute("DELETE FROM meta WHERE key = 'monitor_federation'")
+        conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    with pytest.raises(LedgerError, match="found 2 \\(an agent opening it migrates it"):
+        Ledger.open_existing(path)
+    agent = Agent(parse_agent_config(_tree_federations(tmp_path, "beta"), simulation=True))  # migrates
+    assert agent.ledger.monitor_owner() == "alpha"  # from the stored monitor report
+    refused = ask(agent, wire.MonitorRequest("m2", "run", 2, trust="local"), "beta")
+    assert refused.error_code == wire.ERR_POLICY and "was used by federation 'alpha'" in refused.local_detail
+    agent.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+        names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert {"requests_by_federation_time", "requests_by_federation_run"} <= names
     assert verify_ledger(path) == []
 
 
