@@ -35,7 +35,15 @@ from numpy.typing import NDArray
 from client_agent import model_cache, secagg_client
 from client_agent.config import AgentConfig, AgentConfigError, Federation, PolicyError, check_side_files
 from client_agent.identity import load_identity, load_peers
-from client_agent.ledger import FederationLedger, Ledger, LedgerConfig, LedgerError, StateRead, qualified_id
+from client_agent.ledger import (
+    CommittedError,
+    FederationLedger,
+    Ledger,
+    LedgerConfig,
+    LedgerError,
+    StateRead,
+    qualified_id,
+)
 from client_agent.records import GaussianRecord, MonitorRecord, RealisationRecord
 from client_agent.state import AgentState
 from client_agent.streaming import Contributions, RowContributions, StreamedGradients, contributions_of
@@ -619,21 +627,26 @@ class Agent:
         if quota is not None and new_quota is not None:
             check_monotone(quota, new_quota)
         blob = pack_reply(cfg, arrs)
-        self.ledger.commit(
-            federation=fed.name,
-            quota_state=None if new_quota is None else new_quota.quota_arrays(),
-            request_id=qualified_id(fed.name, secagg_client.ledger_id(request)),
-            message_type=wire.message_type_of(request),
-            run_id=request.run_id,
-            digest=digest,
-            release=release.to_arrays(),
-            new_state=new_state.to_arrays(),
-            reply=blob,
-            base=base,
-            monitor_owner=isinstance(request, wire.MonitorRequest),
-        )
+        charged = self._charged(state, new_state, quota, new_quota, release.to_arrays(), len(blob))
+        try:
+            self.ledger.commit(
+                federation=fed.name,
+                quota_state=None if new_quota is None else new_quota.quota_arrays(),
+                request_id=qualified_id(fed.name, secagg_client.ledger_id(request)),
+                message_type=wire.message_type_of(request),
+                run_id=request.run_id,
+                digest=digest,
+                release=release.to_arrays(),
+                new_state=new_state.to_arrays(),
+                reply=blob,
+                base=base,
+                monitor_owner=isinstance(request, wire.MonitorRequest),
+            )
+        except CommittedError:  # refused, but its charge stands: the owner's audit line shows it (Agent.audit)
+            self._audit_entry = charged
+            raise
         fault_point("after_commit")
-        self._audit_entry = self._charged(state, new_state, quota, new_quota, release.to_arrays(), len(blob))
+        self._audit_entry = charged
         return Outcome(*unpack_reply(blob))
 
     def _charged(
@@ -698,6 +711,9 @@ class Agent:
         if outcome.is_error:
             line["outcome"] = "refused: " + wire.error_name(outcome.error_code)
             line["detail"] = outcome.local_detail[:500]
+            if self._audit_entry:  # committed before it was refused (client_agent.ledger.CommittedError)
+                line.update({k: v for k, v in self._audit_entry.items() if k not in ("outcome", "reply_bytes")})
+                line["charge"] = "committed: it stands, though nothing was sent"
         else:
             line.update(self._audit_entry or {"outcome": "answered"})
         text = json.dumps(line, sort_keys=True, default=str)

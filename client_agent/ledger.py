@@ -120,6 +120,12 @@ class LedgerError(FedfilterError, RuntimeError):
     """A ledger cannot be used as asked; the message names what was expected and what was found."""
 
 
+class CommittedError(LedgerError):
+    """The request's transaction is committed (its charge stands), but what follows the commit failed (the
+    high-water mark did not advance): the request is refused all the same, and the owner's audit line shows
+    the charge (client_agent/agent.py)."""
+
+
 def _corrupt(path: Path, detail: object) -> LedgerError:
     """The one error for a ledger file that cannot be trusted: it is never reset."""
     return LedgerError(
@@ -802,7 +808,10 @@ class Ledger:
         if self._high_water is not None:  # committed: the charge stands whatever happens to the mark
             high_water = self._high_water
             mark = Mark(self._ledger_id, int(seq), state_sha, _fingerprint(request_id, created_at))
-            _high_water_call(lambda: high_water.advance(mark))
+            try:
+                high_water.advance(mark)
+            except HighWaterError as exc:
+                raise CommittedError(f"{exc} (request {request_id!r} is committed: its charge stands)") from exc
 
     # ----- lifecycle
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client_agent.high_water import HighWater, default_path
+from client_agent.high_water import HighWater, HighWaterError, default_path
 from client_agent.ledger import Ledger, LedgerError, _decode
 from client_agent.ledger_report import verify_ledger
 from protocol import messages as wire
@@ -298,3 +298,36 @@ def test_a_copy_answered_elsewhere_and_put_back_ahead_of_the_mark_is_refused(tmp
     shutil.copy(fork, path)
     with pytest.raises(LedgerError, match="a different history"):
         Ledger.open(path, make_config(), high_water=mark)
+
+
+def test_a_charge_committed_before_its_mark_failed_is_in_the_owners_audit_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hostile review: the mark's write failing after the commit (a full disk) refused the request, and the
+    audit line said 'refused: ledger' with no cost, its retry 'replayed': the owner's log never showed a spend
+    the ledger holds. The refusal stands (nothing is sent); its line now carries the committed charge."""
+    import json
+
+    from tests.factories import client_data
+
+    audit = tmp_path / "audit.jsonl"
+    extra = {"ledger-high-water": str(tmp_path / "mark"), "audit-log": str(audit)}
+    agent = build_agent(tmp_path, client_data(6, seed=4), epsilon=4.0, **extra)
+    write = HighWater._write
+
+    def full_disk(self: HighWater, mark: object) -> None:
+        raise HighWaterError("high-water mark: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(HighWater, "_write", full_disk)
+    request = gradient_request("r1", noise_std=2.0)
+    refused = agent.handle(wire.message_type_of(request), *wire.encode_request(request))
+    assert refused.error_code == wire.ERR_LEDGER and "is committed: its charge stands" in refused.local_detail
+    monkeypatch.setattr(HighWater, "_write", write)
+    spent = agent.ledger.state()["spent"]
+    assert agent.ledger.requests_answered() == 1 and np.all(spent > 0)
+    agent.close()
+    line = json.loads(audit.read_text().splitlines()[-1])
+    assert line["outcome"] == "refused: ledger" and line["charge"] == "committed: it stands, though nothing was sent"
+    assert line["units_charged"] == 6
+    assert agent.gaussian is not None
+    assert line["spend_share_max"] == pytest.approx(float(spent.max()) / agent.gaussian.threshold, rel=1e-12)
