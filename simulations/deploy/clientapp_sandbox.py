@@ -18,9 +18,21 @@ starts the real ``flwr-clientapp`` instead:
   the run ends: every run unpacks its bundle afresh from the bytes the SuperLink sent, whose hashes
   Flower checks, so no earlier run's writes are ever loaded; Python runs isolated (``-I``: no user
   site folder, no ``PYTHON*`` variables);
-- as PID 1 of a new PID namespace (``unshare --user --map-current-user --pid --fork --kill-child``,
+- as PID 1 of a new PID namespace (``unshare --user --map-root-user --pid --fork --kill-child``,
   unprivileged): when it exits, or this wrapper dies, the kernel kills every process it left, so no
-  process started by a ClientApp outlives its run. Processes in it cannot trace the SuperNode.
+  process started by a ClientApp outlives its run. Processes in it cannot trace the SuperNode. PID 1
+  ends the moment Flower's task returns (its thread may not keep it: a hostile review kept a ClientApp,
+  and a process that planted code into the next run's folder, alive with a non-daemon thread and a
+  patched ``os._exit``), and this wrapper kills the namespace after ``FEDFILTER_CLIENTAPP_MAX_SECONDS``
+  (default 3600) whatever the ClientApp does: one task is one message, answered in seconds;
+- with the host's CPU accounting out of sight (its own ``/proc``, an empty ``/sys``, and ``/proc/stat``,
+  ``uptime``, ``loadavg``, ``pressure``, ``interrupts``, ``softirqs``, ``schedstat``, ``vmstat`` and
+  ``diskstats`` masked): a hostile review read the agent's CPU time per request, to the microsecond,
+  from its systemd cgroup's ``cpu.stat`` (world-readable), which reply pacing does not hide
+  (privacy.md §8). The masks are mounted as root of an outer user namespace; the ClientApp then runs
+  in an inner one, as this user's uid without capabilities, where the masks are locked (it cannot
+  unmount them) and, procfs and sysfs being no longer fully visible, the kernel refuses it a fresh
+  mount of either.
 
 Where user namespaces are off (``sysctl user.max_user_namespaces=0``), it refuses to start the
 ClientApp (exit 78) and says so, unless ``FEDFILTER_CLIENTAPP_ISOLATION=none`` is set: then only the
@@ -48,13 +60,64 @@ GRACE_S = 10.0
 EX_CONFIG = 78  # sysexits.h: a configuration error
 # A mount namespace with its own /proc: with the host's /proc a bundle read the agent worker's CPU time
 # (/proc/<pid>/task/<tid>/schedstat, readable by any uid), which reply pacing does not hide (privacy.md §8).
-UNSHARE = ("--user", "--map-current-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc")
+# Root of its user namespace (mapped to this user), so that SETUP can mount the masks before the ClientApp.
+UNSHARE = ("--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc")
+# Host-wide counters in the namespace's own /proc that tell the CPU time others spend (on a dedicated cpuset,
+# the agent's): masked with /dev/null (files) or an empty read-only tmpfs (folders), with all of /sys.
+MASKED_PROC = (
+    "stat", "uptime", "loadavg", "pressure", "interrupts", "softirqs", "schedstat", "vmstat", "diskstats",
+)  # fmt: skip
+MAX_ENV = "FEDFILTER_CLIENTAPP_MAX_SECONDS"
+MAX_S = 3600.0  # one task (one message): then the namespace is killed, whatever the ClientApp does
+# In the namespace, as its root: the masks, then an inner user namespace in which this user's uid is the
+# ClientApp's (no capabilities, every inherited mount locked), then RUN in a fresh interpreter.
+SETUP = """\
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def check(rc, what):
+    if rc != 0:
+        e = ctypes.get_errno()
+        sys.stderr.write(f"[fedfilter-clientapp] {what}: {os.strerror(e)}; not starting the ClientApp\\n")
+        os._exit(78)
+RO = 1 | 2 | 4 | 8  # MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+check(libc.mount(b"none", b"/sys", b"tmpfs", RO, b"size=4k,mode=555"), "masking /sys")
+for name in MASKED:
+    path = "/proc/" + name
+    if os.path.isdir(path):
+        check(libc.mount(b"none", path.encode(), b"tmpfs", RO, b"size=4k,mode=555"), "masking " + path)
+    elif os.path.exists(path):
+        check(libc.mount(b"/dev/null", path.encode(), None, 4096, None), "masking " + path)  # MS_BIND
+uid, gid = sys.argv[1], sys.argv[2]
+check(libc.unshare(0x10000000 | 0x00020000), "a user and mount namespace for the ClientApp")
+for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} 0 1"), ("gid_map", f"{gid} 0 1")):
+    with open("/proc/self/" + name, "w") as handle:
+        handle.write(text)
+os.execv(sys.executable, [sys.executable, "-I", "-c", RUN, *sys.argv[3:]])
+"""
+# What a ClientApp runs: Flower's entry point, then PID 1 ends at once (threads the bundle left cannot keep it).
+FLOWER_CALL = "from flwr.supernode.cli import flwr_clientapp\nsys.argv[0] = 'flwr-clientapp'\ncode = flwr_clientapp()"
 # What the ClientApp keeps of the SuperNode's environment (Flower's own variables are kept too).
 KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "SSL_CERT_FILE", "SSL_CERT_DIR")
-RUN_FLOWER = (
-    "import sys; from flwr.supernode.cli import flwr_clientapp; "
-    "sys.argv[0] = 'flwr-clientapp'; sys.exit(flwr_clientapp())"
-)
+
+
+def run_program(call: str) -> str:
+    """``call`` (Python that sets ``code``), then the process ends with that code by ``os._exit`` taken before
+    ``call`` ran: no thread, ``atexit`` handler or patched ``os._exit`` of the bundle's keeps it alive (and
+    whatever does, the wrapper's ``MAX_S`` ends)."""
+    body = "\n".join("    " + line for line in call.splitlines())
+    return (
+        "import os, sys\n_exit = os._exit\ncode = 1\ntry:\n" + body + "\n"
+        "except SystemExit as stop:\n    code = stop.code\n"
+        "except BaseException:\n    import traceback\n    traceback.print_exc()\n    code = 1\n"
+        "for stream in (sys.stdout, sys.stderr):\n    try:\n        stream.flush()\n    except BaseException:\n"
+        "        pass\n"
+        "_exit(code if isinstance(code, int) else (0 if code is None else 1))\n"
+    )
+
+
+def sandboxed(run: str) -> str:
+    """SETUP with RUN = ``run``: the program the namespace's PID 1 runs (argv: uid, gid, then Flower's)."""
+    return f"MASKED = {MASKED_PROC!r}\nRUN = {run!r}\n" + SETUP
 
 
 def _log(text: str) -> None:
@@ -78,9 +141,11 @@ def _split_parent(argv: list[str]) -> tuple[list[str], int | None]:
 
 
 def namespaces_work(unshare: str) -> str | None:
-    """None when an unprivileged PID namespace can be made here, else why not."""
+    """None when the sandbox (PID namespace, masks, inner user namespace) can be made here, else why not."""
+    program = sandboxed(run_program("code = 0"))
+    argv = [unshare, *UNSHARE, sys.executable, "-I", "-c", program, str(os.getuid()), str(os.getgid())]
     try:
-        probe = subprocess.run([unshare, *UNSHARE, "true"], capture_output=True, text=True, timeout=30, check=False)
+        probe = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     except OSError as exc:
         return f"{unshare}: {exc}"
     return None if probe.returncode == 0 else (probe.stderr.strip() or f"exit code {probe.returncode}")
@@ -92,7 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     if mode not in ("pidns", "none"):
         _log(f"{ISOLATION_ENV}: expected 'pidns' (default) or 'none', found {mode!r}; not starting the ClientApp")
         return EX_CONFIG
-    prefix: list[str] = []
+    try:
+        limit = float(os.environ.get(MAX_ENV, MAX_S))
+    except ValueError:
+        limit = -1.0
+    if not 0 < limit < float("inf"):
+        _log(f"{MAX_ENV}: expected a number of seconds > 0, found {os.environ.get(MAX_ENV)!r}; not starting it")
+        return EX_CONFIG
+    run = run_program(FLOWER_CALL)
+    command = [sys.executable, "-I", "-c", run, *args]
     if mode == "pidns":
         unshare = shutil.which("unshare", path=os.environ.get("PATH", os.defpath)) or "unshare"
         why = namespaces_work(unshare)
@@ -103,14 +176,15 @@ def main(argv: list[str] | None = None) -> int:
                 "SuperNode's processes otherwise (docs/deploy.md §9)"
             )
             return EX_CONFIG
-        prefix = [unshare, *UNSHARE]
+        command = [unshare, *UNSHARE, sys.executable, "-I", "-c", sandboxed(run), str(os.getuid()), str(os.getgid())]
+        command += args
     run_dir = Path(tempfile.mkdtemp(prefix="fedfilter-clientapp-"))  # 0700, this user's
     (run_dir / "tmp").mkdir()
     env = {k: v for k, v in os.environ.items() if k in KEEP or (k.startswith("FLWR_") and k != "FLWR_HOME")}
     env |= {"FLWR_HOME": str(run_dir / "flwr"), "HOME": str(run_dir), "TMPDIR": str(run_dir / "tmp")}
     env |= {"PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     proc = subprocess.Popen(
-        [*prefix, sys.executable, "-I", "-c", RUN_FLOWER, *args],
+        command,
         env=env,
         cwd=run_dir,
         start_new_session=True,  # one process group: a signal reaches unshare and the ClientApp
@@ -143,7 +217,13 @@ def main(argv: list[str] | None = None) -> int:
 
         threading.Thread(target=watch, daemon=True).start()
     try:
-        return proc.wait()
+        try:
+            return proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            _log(f"the ClientApp ran past {limit:.0f} s ({MAX_ENV}); killing its namespace")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # unshare dies, and --kill-child takes PID 1 and the rest
+            return proc.wait()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -4,7 +4,11 @@ The shim's own file, with Flower's entry point swapped for a hostile stand-in (i
 in its own session, ignores SIGTERM and SIGINT and never returns), run as a subprocess:
 
 - SIGTERM to the shim: after its grace period the whole PID namespace is killed, daemon included;
-- the stand-in's FLWR_HOME is a fresh folder, removed when the run ends.
+- the stand-in's FLWR_HOME is a fresh folder, removed when the run ends;
+- a stand-in that returns but leaves a non-daemon thread and a patched ``os._exit`` ends with its task,
+  and one that never returns is killed after ``FEDFILTER_CLIENTAPP_MAX_SECONDS`` (a hostile review);
+- inside, the host's CPU counters are out of sight and the masks cannot be lifted (a hostile review read
+  the agent's CPU time from its cgroup's ``cpu.stat``), as root and as an unprivileged user.
 
 The end-to-end version, on Flower's deployment engine with a hostile bundle, is in
 tests/e2e/test_hostile_bundle.py.
@@ -14,15 +18,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from simulations.deploy import clientapp_sandbox
+from tests.e2e.common import cannot_run
 
 MARK = "fedfilter-sandbox-test-daemon"
 HOSTILE = (
@@ -50,17 +57,23 @@ def marked() -> list[int]:
     return found
 
 
-def test_a_clientapp_that_ignores_stop_signals_is_killed_with_everything_it_started(tmp_path: Path) -> None:
+def shim_with(tmp_path: Path, stand_in: str) -> Path:
+    """The shim's own source with Flower's call replaced by ``stand_in`` (Python that may set ``code``)."""
     why = clientapp_sandbox.namespaces_work("unshare")
     if why is not None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"this test must run in CI and cannot: no PID namespaces here ({why})")
-        pytest.skip(f"no PID namespaces here: {why}")
+        cannot_run(f"no sandbox here (PID and user namespaces, masks): {why}")
     source = Path(clientapp_sandbox.__file__).read_text()
     source = source.replace("GRACE_S = 10.0", "GRACE_S = 2.0")
-    source = source.replace("RUN_FLOWER = (", f"RUN_FLOWER = {HOSTILE!r}\n_UNUSED = (")
+    assert "FLOWER_CALL = " in source
+    source = source.replace("FLOWER_CALL = ", f"FLOWER_CALL = {stand_in!r}\n_UNUSED = ", 1)
     shim = tmp_path / "shim.py"
     shim.write_text(source + "\n\nif __name__ == '__main__':\n    raise SystemExit(main())\n")
+    shim.chmod(0o644)
+    return shim
+
+
+def test_a_clientapp_that_ignores_stop_signals_is_killed_with_everything_it_started(tmp_path: Path) -> None:
+    shim = shim_with(tmp_path, HOSTILE)
     report = tmp_path / "report.json"
     proc = subprocess.Popen([sys.executable, str(shim), str(report)], start_new_session=True)
     try:
@@ -80,3 +93,114 @@ def test_a_clientapp_that_ignores_stop_signals_is_killed_with_everything_it_star
             os.killpg(proc.pid, signal.SIGKILL)
         for pid in marked():
             os.kill(pid, signal.SIGKILL)
+
+
+LINGER = (
+    "import threading, time\n"
+    "subprocess = __import__('subprocess')\n"
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', "
+    f"'{MARK}'], start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, "
+    "stderr=subprocess.DEVNULL)\n"
+    "threading.Thread(target=time.sleep, args=(120,)).start()  # non-daemon: it would keep the process\n"
+    "os._exit = lambda status: None  # and Flower's own force-exit with it\n"
+    "code = 0\n"
+)
+
+
+def test_a_clientapp_ends_with_its_task_whatever_threads_it_leaves(tmp_path: Path) -> None:
+    """A hostile review kept a ClientApp alive after its task (a non-daemon thread, a patched os._exit) and
+    planted code into the next run's folder from it. PID 1 now ends when the task returns, and the namespace
+    with it: the daemon it forked is gone as soon as the shim returns."""
+    shim = shim_with(tmp_path, LINGER)
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, str(shim)], start_new_session=True, timeout=60, check=False)
+        assert done.returncode == 0 and time.monotonic() - started < 30
+        time.sleep(0.5)
+        assert marked() == []
+    finally:
+        for pid in marked():
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_clientapp_that_never_returns_is_killed_after_its_time(tmp_path: Path) -> None:
+    shim = shim_with(tmp_path, HOSTILE.replace("open(sys.argv[-1], 'w')", "open(os.devnull, 'w')"))
+    env = {**os.environ, clientapp_sandbox.MAX_ENV: "2"}
+    try:
+        done = subprocess.run(
+            [sys.executable, str(shim)], start_new_session=True, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode != 0 and "ran past 2 s (FEDFILTER_CLIENTAPP_MAX_SECONDS)" in done.stderr
+        time.sleep(0.5)
+        assert marked() == []
+        bad = subprocess.run(
+            [sys.executable, str(shim)], env={**env, clientapp_sandbox.MAX_ENV: "inf"}, capture_output=True, text=True
+        )
+        assert bad.returncode == clientapp_sandbox.EX_CONFIG and "expected a number of seconds > 0" in bad.stderr
+    finally:
+        for pid in marked():
+            os.kill(pid, signal.SIGKILL)
+
+
+PROBE = (
+    "import ctypes, json\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "def call(rc):\n"
+    "    return [rc, ctypes.get_errno() if rc != 0 else 0]\n"
+    "seen = {'uid': os.getuid(), 'pids': sorted(int(p) for p in os.listdir('/proc') if p.isdigit())}\n"
+    "seen['files'] = {f: open(f).read() for f in ('/proc/stat', '/proc/uptime', '/proc/loadavg') }\n"
+    "seen['sys'] = os.listdir('/sys')\n"
+    "seen['umount'] = call(libc.umount2(b'/proc/stat', 2))\n"
+    "os.mkdir('probe')\n"
+    "seen['nested'] = call(libc.unshare(0x10000000 | 0x00020000 | 0x40000000))  # user, mount, net\n"
+    "seen['proc'] = call(libc.mount(b'proc', b'probe', b'proc', 0, None))\n"
+    "seen['sysfs'] = call(libc.mount(b'sysfs', b'probe', b'sysfs', 0, None))\n"
+    "seen['umount_nested'] = call(libc.umount2(b'/sys', 2))\n"
+    "sys.stdout.write(json.dumps(seen))\n"
+    "code = 0\n"
+)
+
+
+def _unprivileged_python() -> str | None:
+    """An interpreter of this version that uid 65534 can run (this venv may be under root's home)."""
+    wanted = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    for folder in ("/usr/bin", "/usr/local/bin"):
+        candidate = os.path.join(folder, wanted)
+        if os.path.exists(candidate):
+            probe = subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", candidate, "-c", "pass"],
+                capture_output=True,
+                check=False,
+            )
+            if probe.returncode == 0:
+                return candidate
+    return None
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_inside_the_host_cpu_counters_are_masked_and_the_masks_stay(tmp_path: Path, user: str) -> None:
+    """A hostile review read the agent's CPU time per request, to the microsecond, from its systemd cgroup's
+    cpu.stat under /sys (world-readable) inside the sandbox: pacing hides wall time only (privacy.md §8)."""
+    shim = shim_with(tmp_path, PROBE)
+    command = [sys.executable, str(shim)]
+    if user == "unprivileged":
+        python = _unprivileged_python() if os.geteuid() == 0 and shutil.which("setpriv") else None
+        if python is None:
+            cannot_run(f"needs root, setpriv and a python{sys.version_info[0]}.{sys.version_info[1]} uid 65534 can run")
+        shared = Path(tempfile.mkdtemp(prefix="fedfilter-sandbox-test-"))  # pytest's folders are root's alone
+        shared.chmod(0o755)
+        shim = Path(shutil.copy(shim, shared / "shim.py"))
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, str(shim)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd="/", check=False)
+    finally:
+        if user == "unprivileged":
+            shutil.rmtree(shim.parent, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["uid"] == (0 if user == "root" else 65534)
+    assert seen["pids"] == [1] and seen["sys"] == []
+    assert seen["files"] == {"/proc/stat": "", "/proc/uptime": "", "/proc/loadavg": ""}
+    assert seen["umount"][0] == -1 and seen["umount_nested"][0] == -1  # locked: never lifted
+    assert seen["nested"] == [0, 0]  # a namespace of its own is allowed, and gives it no fresh procfs or sysfs
+    assert seen["proc"][0] == -1 and seen["sysfs"][0] == -1
