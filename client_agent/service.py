@@ -342,6 +342,39 @@ def check_socket_folder(path: Path) -> None:
         raise ServiceError(
             f"agent-socket: expected its folder {folder} to belong to the agent's user or root, found uid {st.st_uid}"
         )
+    if (problem := _ancestor_problem(folder)) is not None:
+        raise ServiceError(f"agent-socket: {problem}; whoever can change it can put their own socket at {path}")
+
+
+def _ancestor_problem(folder: Path) -> str | None:
+    """Why a folder above the socket's (as written or resolved), or a link on the way, lets someone other than
+    the agent's user or root move the socket's folder away; None when none does (a hostile review: a folder of
+    the agent's own inside a world-writable parent passed, and any user could rename it and take the path).
+
+    Each folder above must belong to the agent's user or root and be writable by its owner only, or sticky
+    (like /tmp: then only an entry's owner may rename it); each symbolic link on the way must belong to the
+    agent's user or root (its owner may point it elsewhere)."""
+    trusted = (os.geteuid(), 0)
+    given = Path(os.path.abspath(folder))
+    for chain in (given, Path(os.path.realpath(folder))):
+        for above in [*reversed(chain.parents), chain]:
+            try:
+                link = os.lstat(above)
+                st = os.stat(above)
+            except OSError as exc:
+                return f"expected to read the folders above its own, found {above}: {exc}"
+            if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
+                return f"expected the link {above} to belong to the agent's user or root, found uid {link.st_uid}"
+            if above == chain:
+                continue  # the socket's own folder: checked above, more strictly
+            if st.st_uid not in trusted:
+                return f"expected the folder {above} to belong to the agent's user or root, found uid {st.st_uid}"
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                return (
+                    f"expected the folder {above} to be writable by its owner only or sticky, found mode "
+                    f"{stat.S_IMODE(st.st_mode):04o}"
+                )
+    return None
 
 
 def _peer(conn: socket.socket) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from client_agent import local_wire
 from client_agent.client_app import forward, send_frame
 from client_agent.service import MAX_CONNECTIONS, REQUEST_HEADROOM_BYTES
 from protocol import messages as wire
+from tests.e2e.common import cannot_run
 from tests.integration.test_agent_service import agent_toml, gradient, spent, start, status, stop, wait_for_socket
 
 
@@ -210,3 +211,41 @@ def test_slow_senders_and_readers_that_never_read_cannot_hold_the_agent(
         stop_event.set()
         server.join(timeout=60)
     assert not server.is_alive()
+
+
+def test_a_folder_above_the_sockets_that_others_can_change_is_refused(tmp_path: Path) -> None:
+    """A hostile review: only the socket's own folder was checked, so a folder of the agent's inside a
+    world-writable parent passed, and any user could rename it away and put their own socket at the path."""
+    from client_agent.service import ServiceError, check_socket_folder
+
+    shared = tmp_path / "shared"
+    own = shared / "agent"
+    own.mkdir(parents=True)
+    own.chmod(0o750)
+    shared.chmod(0o777)
+    with pytest.raises(ServiceError, match=f"expected the folder {shared} to be writable by its owner only or sticky"):
+        check_socket_folder(own / "agent.sock")
+    shared.chmod(0o1777)  # sticky, like /tmp: only an entry's owner may rename it
+    check_socket_folder(own / "agent.sock")
+    shared.chmod(0o755)
+    check_socket_folder(own / "agent.sock")
+
+
+def test_a_link_or_a_folder_above_the_sockets_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    from client_agent.service import ServiceError, check_socket_folder
+
+    if os.geteuid() != 0:
+        cannot_run("needs root: it gives a folder and a link to another user (uid 65534)")
+    own = tmp_path / "mine" / "agent"
+    own.mkdir(parents=True)
+    own.chmod(0o750)
+    link = tmp_path / "link"
+    link.symlink_to(own)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(ServiceError, match=f"expected the link {link} to belong to the agent's user or root"):
+        check_socket_folder(link / "agent.sock")
+    os.lchown(link, 0, 0)
+    check_socket_folder(link / "agent.sock")
+    os.chown(tmp_path / "mine", 65534, 65534)
+    with pytest.raises(ServiceError, match=f"expected the folder {tmp_path / 'mine'} to belong to the agent's"):
+        check_socket_folder(own / "agent.sock")
