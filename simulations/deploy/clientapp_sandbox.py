@@ -25,6 +25,9 @@ starts the real ``flwr-clientapp`` instead:
   and a process that planted code into the next run's folder, alive with a non-daemon thread and a
   patched ``os._exit``), and this wrapper kills the namespace after ``FEDFILTER_CLIENTAPP_MAX_SECONDS``
   (default 3600) whatever the ClientApp does: one task is one message, answered in seconds;
+- on a read-only view of every mount but the run's folder (and its own ``/proc``): what a ClientApp
+  writes goes into the run's folder, removed when the run ends, never into another run's (the review
+  planted code into one) or the node's files, ``/tmp`` or ``/dev/shm``;
 - with the host's CPU accounting out of sight (its own ``/proc``, an empty ``/sys``, and ``/proc/stat``,
   ``uptime``, ``loadavg``, ``pressure``, ``interrupts``, ``softirqs``, ``schedstat``, ``vmstat`` and
   ``diskstats`` masked): a hostile review read the agent's CPU time per request, to the microsecond,
@@ -72,7 +75,7 @@ MAX_S = 3600.0  # one task (one message): then the namespace is killed, whatever
 # In the namespace, as its root: the masks, then an inner user namespace in which this user's uid is the
 # ClientApp's (no capabilities, every inherited mount locked), then RUN in a fresh interpreter.
 SETUP = """\
-import ctypes, os, sys
+import ctypes, os, re, sys
 libc = ctypes.CDLL(None, use_errno=True)
 def check(rc, what):
     if rc != 0:
@@ -87,6 +90,25 @@ for name in MASKED:
         check(libc.mount(b"none", path.encode(), b"tmpfs", RO, b"size=4k,mode=555"), "masking " + path)
     elif os.path.exists(path):
         check(libc.mount(b"/dev/null", path.encode(), None, 4096, None), "masking " + path)  # MS_BIND
+# Every mount read-only but the run's folder (bound onto itself first) and /proc: whatever the ClientApp
+# writes goes into the run's folder, which the wrapper removes, and never into another run's or the node's.
+run = os.getcwd()
+check(libc.mount(run.encode(), run.encode(), None, 4096, None), "binding the run's folder")  # MS_BIND
+os.chdir(run)  # through the new mount: the working folder held the old one, which becomes read-only
+ATIME = {"noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+KEPT = {"nosuid": 2, "nodev": 4, "noexec": 8, **ATIME}  # a remount must keep a locked mount's flags
+with open("/proc/self/mountinfo") as handle:
+    mounts = [(line.split()[4], line.split()[5].split(",")) for line in handle]
+for point, options in mounts:
+    point = re.sub(r"\\\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)  # a space is \\040 there
+    if point == run or point.split("/")[1] in ("proc", "sys") or not os.path.lexists(point):
+        continue  # the run's folder, /proc (its masks are /dev/null), /sys (masked whole) and hidden mounts
+    flags = 32 | 4096 | 1  # MS_REMOUNT | MS_BIND | MS_RDONLY
+    for option in options:
+        flags |= KEPT.get(option, 0)
+    if not any(option in ATIME for option in options):
+        flags |= 1 << 24  # MS_STRICTATIME
+    check(libc.mount(None, point.encode(), None, flags, None), "making " + point + " read-only")
 uid, gid = sys.argv[1], sys.argv[2]
 check(libc.unshare(0x10000000 | 0x00020000), "a user and mount namespace for the ClientApp")
 for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} 0 1"), ("gid_map", f"{gid} 0 1")):
@@ -144,10 +166,13 @@ def namespaces_work(unshare: str) -> str | None:
     """None when the sandbox (PID namespace, masks, inner user namespace) can be made here, else why not."""
     program = sandboxed(run_program("code = 0"))
     argv = [unshare, *UNSHARE, sys.executable, "-I", "-c", program, str(os.getuid()), str(os.getgid())]
+    folder = tempfile.mkdtemp(prefix="fedfilter-clientapp-probe-")  # a run's folder, as SETUP binds it
     try:
-        probe = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+        probe = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False, cwd=folder)
     except OSError as exc:
         return f"{unshare}: {exc}"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     return None if probe.returncode == 0 else (probe.stderr.strip() or f"exit code {probe.returncode}")
 
 

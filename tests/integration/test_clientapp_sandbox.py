@@ -8,7 +8,8 @@ in its own session, ignores SIGTERM and SIGINT and never returns), run as a subp
 - a stand-in that returns but leaves a non-daemon thread and a patched ``os._exit`` ends with its task,
   and one that never returns is killed after ``FEDFILTER_CLIENTAPP_MAX_SECONDS`` (a hostile review);
 - inside, the host's CPU counters are out of sight and the masks cannot be lifted (a hostile review read
-  the agent's CPU time from its cgroup's ``cpu.stat``), as root and as an unprivileged user.
+  the agent's CPU time from its cgroup's ``cpu.stat``), and it can write in its run's folder only, as root
+  and as an unprivileged user.
 
 The end-to-end version, on Flower's deployment engine with a hostile bundle, is in
 tests/e2e/test_hostile_bundle.py.
@@ -39,7 +40,7 @@ HOSTILE = (
     "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', "
     f"'{MARK}'], start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, "
     "stderr=subprocess.DEVNULL)\n"
-    "open(sys.argv[-1], 'w').write(json.dumps({'flwr_home': os.environ['FLWR_HOME'], 'pid': os.getpid()}))\n"
+    "print(json.dumps({'flwr_home': os.environ['FLWR_HOME'], 'pid': os.getpid()}), flush=True)\n"
     "while True:\n"
     "    time.sleep(1)\n"
 )
@@ -74,14 +75,15 @@ def shim_with(tmp_path: Path, stand_in: str) -> Path:
 
 def test_a_clientapp_that_ignores_stop_signals_is_killed_with_everything_it_started(tmp_path: Path) -> None:
     shim = shim_with(tmp_path, HOSTILE)
-    report = tmp_path / "report.json"
-    proc = subprocess.Popen([sys.executable, str(shim), str(report)], start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(shim)], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    report = proc.stdout.readline()  # the stand-in's first line (everything outside its run's folder is read-only)
     try:
         deadline = time.monotonic() + 30
-        while not report.exists() or not marked():
+        while not marked():
             assert proc.poll() is None and time.monotonic() < deadline, "the stand-in never started"
             time.sleep(0.1)
-        home = Path(json.loads(report.read_text())["flwr_home"])
+        home = Path(json.loads(report)["flwr_home"])
         assert home.parent.name.startswith("fedfilter-clientapp-") and home.parent.exists()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)  # the grace period (2 s here), then the namespace is killed
@@ -124,7 +126,7 @@ def test_a_clientapp_ends_with_its_task_whatever_threads_it_leaves(tmp_path: Pat
 
 
 def test_a_clientapp_that_never_returns_is_killed_after_its_time(tmp_path: Path) -> None:
-    shim = shim_with(tmp_path, HOSTILE.replace("open(sys.argv[-1], 'w')", "open(os.devnull, 'w')"))
+    shim = shim_with(tmp_path, HOSTILE)
     env = {**os.environ, clientapp_sandbox.MAX_ENV: "2"}
     try:
         done = subprocess.run(
@@ -151,6 +153,15 @@ PROBE = (
     "seen['files'] = {f: open(f).read() for f in ('/proc/stat', '/proc/uptime', '/proc/loadavg') }\n"
     "seen['sys'] = os.listdir('/sys')\n"
     "seen['umount'] = call(libc.umount2(b'/proc/stat', 2))\n"
+    "def write(path):\n"
+    "    try:\n"
+    "        open(path, 'w').write('planted')\n"
+    "        return 'written'\n"
+    "    except OSError as exc:\n"
+    "        return exc.strerror\n"
+    "seen['writes'] = {p: write(p) for p in ('/tmp/fedfilter-planted', '/dev/shm/fedfilter-planted', "
+    "os.path.join(os.path.dirname(os.getcwd()), 'fedfilter-planted'))}\n"
+    "seen['own'] = write('own-file')\n"
     "os.mkdir('probe')\n"
     "seen['nested'] = call(libc.unshare(0x10000000 | 0x00020000 | 0x40000000))  # user, mount, net\n"
     "seen['proc'] = call(libc.mount(b'proc', b'probe', b'proc', 0, None))\n"
@@ -202,5 +213,8 @@ def test_inside_the_host_cpu_counters_are_masked_and_the_masks_stay(tmp_path: Pa
     assert seen["pids"] == [1] and seen["sys"] == []
     assert seen["files"] == {"/proc/stat": "", "/proc/uptime": "", "/proc/loadavg": ""}
     assert seen["umount"][0] == -1 and seen["umount_nested"][0] == -1  # locked: never lifted
+    # Writes go into the run's own folder (removed with it) and nowhere else: not /tmp, /dev/shm, another run's.
+    assert seen["own"] == "written" and set(seen["writes"].values()) == {"Read-only file system"}
+    assert not Path("/tmp/fedfilter-planted").exists()
     assert seen["nested"] == [0, 0]  # a namespace of its own is allowed, and gives it no fresh procfs or sysfs
     assert seen["proc"][0] == -1 and seen["sysfs"][0] == -1
