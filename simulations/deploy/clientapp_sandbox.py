@@ -64,7 +64,9 @@ EX_CONFIG = 78  # sysexits.h: a configuration error
 # A mount namespace with its own /proc: with the host's /proc a bundle read the agent worker's CPU time
 # (/proc/<pid>/task/<tid>/schedstat, readable by any uid), which reply pacing does not hide (privacy.md §8).
 # Root of its user namespace (mapped to this user), so that SETUP can mount the masks before the ClientApp.
-UNSHARE = ("--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc")
+# Its own IPC namespace too: System V shared memory, semaphores and message queues, and POSIX message queues,
+# live in it and go with it (on the host's they would outlive the run).
+UNSHARE = ("--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc")
 # Host-wide counters in the namespace's own /proc that tell the CPU time others spend (on a dedicated cpuset,
 # the agent's): masked with /dev/null (files) or an empty read-only tmpfs (folders), with all of /sys.
 MASKED_PROC = (

@@ -153,6 +153,7 @@ PROBE = (
     "seen['files'] = {f: open(f).read() for f in ('/proc/stat', '/proc/uptime', '/proc/loadavg') }\n"
     "seen['sys'] = os.listdir('/sys')\n"
     "seen['umount'] = call(libc.umount2(b'/proc/stat', 2))\n"
+    "seen['ipc'] = os.readlink('/proc/self/ns/ipc')\n"
     "def write(path):\n"
     "    try:\n"
     "        open(path, 'w').write('planted')\n"
@@ -210,6 +211,7 @@ def test_inside_the_host_cpu_counters_are_masked_and_the_masks_stay(tmp_path: Pa
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     assert seen["uid"] == (0 if user == "root" else 65534)
+    assert seen["ipc"] != os.readlink("/proc/self/ns/ipc")  # System V and POSIX queues go with the namespace
     assert seen["pids"] == [1] and seen["sys"] == []
     assert seen["files"] == {"/proc/stat": "", "/proc/uptime": "", "/proc/loadavg": ""}
     assert seen["umount"][0] == -1 and seen["umount_nested"][0] == -1  # locked: never lifted
