@@ -776,7 +776,7 @@ def progress_text(p: Progress, *, workers: int) -> str:
     ]
     for eps, (t, rounds) in p.waiting.items():
         lines.append(
-            f"Not listed yet: the trials at ε {eps:g}, which wait for its tuning grid (it may still grow); at its "
+            f"Not listed yet: the trials at ε {eps:.1f}, which wait for its tuning grid (it may still grow); at its "
             f"leading point (T0 = {t.steps}, lr {t.learning_rate:g}) they would run {rounds:,} steps."
         )
     pace = p.seconds_per_step
