@@ -55,6 +55,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO, TextIO
 
 ISOLATION_ENV = "FEDFILTER_CLIENTAPP_ISOLATION"
 # After SIGTERM or SIGINT (or the SuperNode's death), the ClientApp has this long to exit; then the
@@ -66,18 +67,29 @@ EX_CONFIG = 78  # sysexits.h: a configuration error
 # Root of its user namespace (mapped to this user), so that SETUP can mount the masks before the ClientApp.
 # Its own IPC namespace too: System V shared memory, semaphores and message queues, and POSIX message queues,
 # live in it and go with it (on the host's they would outlive the run).
-UNSHARE = ("--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc")
+# And its own host and domain names (a ClientApp that set the host's would change them for the host).
+UNSHARE = (
+    "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc", "--uts",
+)  # fmt: skip
 # Host-wide counters in the namespace's own /proc that tell the CPU time others spend (on a dedicated cpuset,
 # the agent's): masked with /dev/null (files) or an empty read-only tmpfs (folders), with all of /sys.
 MASKED_PROC = (
     "stat", "uptime", "loadavg", "pressure", "interrupts", "softirqs", "schedstat", "vmstat", "diskstats",
+    "zoneinfo", "sysrq-trigger",
 )  # fmt: skip
+# keyctl(2)'s number where the libc has no wrapper for it (keyutils is not the standard library).
+KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 311, "s390x": 280}
 MAX_ENV = "FEDFILTER_CLIENTAPP_MAX_SECONDS"
 MAX_S = 3600.0  # one task (one message): then the namespace is killed, whatever the ClientApp does
-# In the namespace, as its root: the masks, then an inner user namespace in which this user's uid is the
-# ClientApp's (no capabilities, every inherited mount locked), then RUN in a fresh interpreter.
+# In the namespace, as its root: the masks, then PID 1 stays a supervisor (init of the PID namespace, in the
+# outer user namespace: the ClientApp can neither signal nor trace it, so it keeps unshare's parent-death
+# signal and ends the namespace whenever unshare or the ClientApp ends; a review's ClientApp, itself PID 1,
+# cleared that signal, killed unshare and outlived its run); its child enters an inner user namespace in
+# which this user's uid is the ClientApp's (no capabilities, every inherited mount locked, no nested user
+# or cgroup namespace: from one a fresh cgroupfs showed cpu.stat again; /proc/sys read-only; a session
+# keyring of its own, not the SuperNode's, which runs share), then RUN in a fresh interpreter.
 SETUP = """\
-import ctypes, os, re, sys
+import ctypes, os, platform, re, sys
 libc = ctypes.CDLL(None, use_errno=True)
 def check(rc, what):
     if rc != 0:
@@ -92,6 +104,14 @@ for name in MASKED:
         check(libc.mount(b"none", path.encode(), b"tmpfs", RO, b"size=4k,mode=555"), "masking " + path)
     elif os.path.exists(path):
         check(libc.mount(b"/dev/null", path.encode(), None, 4096, None), "masking " + path)  # MS_BIND
+# A /dev of its own: the harmless character devices only (a ClientApp of a SuperNode run as root is root on
+# the host's device nodes otherwise).
+devices = {name: os.open("/dev/" + name, os.O_PATH) for name in ("null", "zero", "full", "random", "urandom")}
+check(libc.mount(b"none", b"/dev", b"tmpfs", 2 | 8, b"size=4k,mode=755"), "a /dev of its own")  # nosuid, noexec
+for name, fd in devices.items():
+    open("/dev/" + name, "w").close()
+    check(libc.mount(f"/proc/self/fd/{fd}".encode(), ("/dev/" + name).encode(), None, 4096, None), "/dev/" + name)
+    os.close(fd)
 # Every mount read-only but the run's folder (bound onto itself first) and /proc: whatever the ClientApp
 # writes goes into the run's folder, which the wrapper removes, and never into another run's or the node's.
 run = os.getcwd()
@@ -111,11 +131,31 @@ for point, options in mounts:
     if not any(option in ATIME for option in options):
         flags |= 1 << 24  # MS_STRICTATIME
     check(libc.mount(None, point.encode(), None, flags, None), "making " + point + " read-only")
+keyctl = KEYCTL.get(platform.machine())
+if keyctl is None:
+    sys.stderr.write(f"[fedfilter-clientapp] no keyctl number known for {platform.machine()}; not starting it\\n")
+    os._exit(78)
+child = os.fork()
+if child:  # PID 1: wait for the ClientApp, then end the namespace with its code
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            break
+        except InterruptedError:
+            continue
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 uid, gid = sys.argv[1], sys.argv[2]
 check(libc.unshare(0x10000000 | 0x00020000), "a user and mount namespace for the ClientApp")
 for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} 0 1"), ("gid_map", f"{gid} 0 1")):
     with open("/proc/self/" + name, "w") as handle:
         handle.write(text)
+for name in ("max_user_namespaces", "max_cgroup_namespaces"):
+    with open("/proc/sys/user/" + name, "w") as handle:
+        handle.write("0")
+check(libc.mount(b"/proc/sys", b"/proc/sys", None, 4096 | 16384, None), "binding /proc/sys")  # MS_BIND | MS_REC
+check(libc.mount(None, b"/proc/sys", None, 32 | 4096 | RO, None), "making /proc/sys read-only")
+libc.syscall.restype = ctypes.c_long
+check(0 if libc.syscall(keyctl, 1, None) >= 0 else -1, "a session keyring of its own")  # JOIN_SESSION_KEYRING
 os.execv(sys.executable, [sys.executable, "-I", "-c", RUN, *sys.argv[3:]])
 """
 # What a ClientApp runs: Flower's entry point, then PID 1 ends at once (threads the bundle left cannot keep it).
@@ -141,7 +181,7 @@ def run_program(call: str) -> str:
 
 def sandboxed(run: str) -> str:
     """SETUP with RUN = ``run``: the program the namespace's PID 1 runs (argv: uid, gid, then Flower's)."""
-    return f"MASKED = {MASKED_PROC!r}\nRUN = {run!r}\n" + SETUP
+    return f"MASKED = {MASKED_PROC!r}\nKEYCTL = {KEYCTL!r}\nRUN = {run!r}\n" + SETUP
 
 
 def _log(text: str) -> None:
@@ -191,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < limit < float("inf"):
         _log(f"{MAX_ENV}: expected a number of seconds > 0, found {os.environ.get(MAX_ENV)!r}; not starting it")
         return EX_CONFIG
+    if os.geteuid() == 0:
+        _log(
+            "warning: the SuperNode runs as root, so its ClientApps are root on every root-owned file they can "
+            "read (the sandbox keeps them read-only); run each SuperNode as a user of its own (docs/deploy.md §9)"
+        )
     run = run_program(FLOWER_CALL)
     command = [sys.executable, "-I", "-c", run, *args]
     if mode == "pidns":
@@ -216,7 +261,18 @@ def main(argv: list[str] | None = None) -> int:
         cwd=run_dir,
         start_new_session=True,  # one process group: a signal reaches unshare and the ClientApp
         preexec_fn=_die_with_parent,  # this wrapper killed: unshare dies, and --kill-child takes the rest
+        # Pipes, copied on by this wrapper: the SuperNode's own stdout and stderr (its log files) reopened by
+        # /proc/self/fd went around the read-only view, and a review's ClientApp rewrote the node's log.
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
+    copies = [
+        threading.Thread(target=_copy, args=(source, sink), daemon=True)
+        for source, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
+    ]
+    for copy in copies:
+        copy.start()
 
     def kill_later() -> None:
         try:
@@ -252,7 +308,33 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)  # unshare dies, and --kill-child takes PID 1 and the rest
             return proc.wait()
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        for copy in copies:  # the namespace is gone: every writer of the pipes with it
+            copy.join(timeout=GRACE_S)
+        _remove(run_dir)
+
+
+def _copy(source: IO[bytes] | None, sink: TextIO) -> None:
+    """Copy a ClientApp's output to this wrapper's own, chunk by chunk, until every writer is gone."""
+    if source is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        while chunk := os.read(source.fileno(), 65536):
+            sink.buffer.write(chunk)
+            sink.buffer.flush()
+
+
+def _remove(top: Path) -> None:
+    """Remove a run's folder, also the folders its ClientApp left unreadable or unwritable by their owner (a
+    review's 0500 folder survived ``rmtree`` and the next run found it); links are never followed."""
+    with contextlib.suppress(OSError):
+        os.chmod(top, 0o700)
+    for folder, names, _ in os.walk(top):
+        for name in names:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                with contextlib.suppress(OSError):
+                    os.chmod(path, 0o700)
+    shutil.rmtree(top, ignore_errors=True)
 
 
 def _die_with_parent() -> None:

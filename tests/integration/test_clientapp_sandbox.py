@@ -154,6 +154,9 @@ PROBE = (
     "seen['sys'] = os.listdir('/sys')\n"
     "seen['umount'] = call(libc.umount2(b'/proc/stat', 2))\n"
     "seen['ipc'] = os.readlink('/proc/self/ns/ipc')\n"
+    "seen['dev'] = sorted(os.listdir('/dev'))\n"
+    "libc.syscall.restype = ctypes.c_long\n"
+    f"seen['keyring'] = libc.syscall({clientapp_sandbox.KEYCTL.get(__import__('platform').machine(), -1)}, 0, -3, 0)\n"
     "def write(path):\n"
     "    try:\n"
     "        open(path, 'w').write('planted')\n"
@@ -212,11 +215,57 @@ def test_inside_the_host_cpu_counters_are_masked_and_the_masks_stay(tmp_path: Pa
     seen = json.loads(done.stdout)
     assert seen["uid"] == (0 if user == "root" else 65534)
     assert seen["ipc"] != os.readlink("/proc/self/ns/ipc")  # System V and POSIX queues go with the namespace
-    assert seen["pids"] == [1] and seen["sys"] == []
+    # PID 1 is the sandbox's supervisor (the ClientApp cannot signal or trace it), the ClientApp PID 2.
+    assert seen["pids"] == [1, 2] and seen["sys"] == []
+    assert seen["dev"] == ["full", "null", "random", "urandom", "zero"]
+    assert seen["keyring"] > 0 and seen["keyring"] != _session_keyring()  # not the SuperNode's, which runs share
     assert seen["files"] == {"/proc/stat": "", "/proc/uptime": "", "/proc/loadavg": ""}
     assert seen["umount"][0] == -1 and seen["umount_nested"][0] == -1  # locked: never lifted
     # Writes go into the run's own folder (removed with it) and nowhere else: not /tmp, /dev/shm, another run's.
-    assert seen["own"] == "written" and set(seen["writes"].values()) == {"Read-only file system"}
+    assert seen["own"] == "written" and seen["writes"]["/tmp/fedfilter-planted"] == "Read-only file system"
+    assert seen["writes"]["/dev/shm/fedfilter-planted"] == "No such file or directory"  # a /dev of its own
+    assert set(seen["writes"].values()) <= {"Read-only file system", "No such file or directory"}
     assert not Path("/tmp/fedfilter-planted").exists()
-    assert seen["nested"] == [0, 0]  # a namespace of its own is allowed, and gives it no fresh procfs or sysfs
+    # No nested user namespace (from one, a review mounted a fresh cgroupfs and read cpu.stat), no fresh procfs
+    # or sysfs: ENOSPC, the namespace's max_user_namespaces is 0.
+    assert seen["nested"] == [-1, 28]
     assert seen["proc"][0] == -1 and seen["sysfs"][0] == -1
+
+
+def _session_keyring() -> int:
+    import ctypes
+    import platform
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return int(libc.syscall(clientapp_sandbox.KEYCTL[platform.machine()], 0, -3, 0))  # GET_KEYRING_ID, @s
+
+
+LEFTOVERS = (
+    "print(os.getcwd(), flush=True)\n"
+    "os.makedirs('keep/inner')\n"
+    "open('keep/inner/file', 'w').write('left')\n"
+    "os.chmod('keep/inner', 0o000)\n"
+    "os.chmod('keep', 0o500)\n"
+    "node = os.open('/proc/self/fd/1', os.O_WRONLY)  # the node's log at offset 0, were it the node's own stdout\n"
+    "os.write(node, b'OVERWRITTEN')\n"
+    "os.close(node)\n"
+    "code = 0\n"
+)
+
+
+def test_a_run_folder_its_clientapp_locked_is_removed_and_the_nodes_output_is_only_appended_to(
+    tmp_path: Path,
+) -> None:
+    """A review: a 0500 folder left in the run's folder survived the wrapper's rmtree (the next run found it),
+    and a ClientApp reopened the SuperNode's stdout through /proc/self/fd and rewrote the node's log."""
+    shim = shim_with(tmp_path, LEFTOVERS)
+    log = tmp_path / "node.log"
+    log.write_text("the node's first line\n")
+    with log.open("a") as out:
+        done = subprocess.run([sys.executable, str(shim)], stdout=out, stderr=subprocess.PIPE, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0] == "the node's first line"  # appended to, through the wrapper's pipe, never rewritten
+    run = Path(lines[1])
+    assert run.name.startswith("fedfilter-clientapp-") and not run.exists()
