@@ -835,9 +835,9 @@ class Ledger:
         process delete the WAL it commits to). Then the file is read afresh and checked as an
         open checks it (header bytes, integrity, application id, schema objects and version, state
         checksum, and the high-water mark when one is kept), and it must be the ledger this handle
-        opened: the same ledger id, configuration and state layout. Not repeated: the version-1
-        migration, which a ledger already at version 2 never needs (a version-1 file is refused
-        here, and the caller's full open migrates it). On any error the handle stays closed.
+        opened: the same ledger id, configuration and state layout. Not repeated: the migration
+        of an older version, which a ledger already at this version never needs (an older file is
+        refused here, and the caller's full open migrates it). On any error the handle stays closed.
         """
         self.close()
         fresh = type(self)._open_checked(self._path)
