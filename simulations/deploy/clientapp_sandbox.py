@@ -126,6 +126,8 @@ for point, options in mounts:
     if point == run or point.split("/")[1] in ("proc", "sys") or not os.path.lexists(point):
         continue  # the run's folder, /proc (its masks are /dev/null), /sys (masked whole) and hidden mounts
     flags = 32 | 4096 | 1  # MS_REMOUNT | MS_BIND | MS_RDONLY
+    if not point.startswith("/dev/"):
+        flags |= 4  # MS_NODEV: device nodes only the five of its /dev
     for option in options:
         flags |= KEPT.get(option, 0)
     if not any(option in ATIME for option in options):
@@ -137,6 +139,8 @@ if keyctl is None:
     os._exit(78)
 child = os.fork()
 if child:  # PID 1: wait for the ClientApp, then end the namespace with its code
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # init ignores what it leaves at default (Python's SIGINT raised)
     while True:
         try:
             _, status = os.waitpid(child, 0)
@@ -156,6 +160,11 @@ check(libc.mount(b"/proc/sys", b"/proc/sys", None, 4096 | 16384, None), "binding
 check(libc.mount(None, b"/proc/sys", None, 32 | 4096 | RO, None), "making /proc/sys read-only")
 libc.syscall.restype = ctypes.c_long
 check(0 if libc.syscall(keyctl, 1, None) >= 0 else -1, "a session keyring of its own")  # JOIN_SESSION_KEYRING
+# No capability survives the exec, also for uid 0 (a root SuperNode's: with them it lifted /proc/sys, raised
+# the namespace limits and read cpu.stat from a fresh cgroupfs): an empty bounding set, and no new privileges.
+for cap in range(64):
+    libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last capability)
+check(libc.prctl(38, 1, 0, 0, 0), "no new privileges")  # PR_SET_NO_NEW_PRIVS
 os.execv(sys.executable, [sys.executable, "-I", "-c", RUN, *sys.argv[3:]])
 """
 # What a ClientApp runs: Flower's entry point, then PID 1 ends at once (threads the bundle left cannot keep it).
@@ -324,17 +333,66 @@ def _copy(source: IO[bytes] | None, sink: TextIO) -> None:
 
 
 def _remove(top: Path) -> None:
-    """Remove a run's folder, also the folders its ClientApp left unreadable or unwritable by their owner (a
-    review's 0500 folder survived ``rmtree`` and the next run found it); links are never followed."""
-    with contextlib.suppress(OSError):
-        os.chmod(top, 0o700)
-    for folder, names, _ in os.walk(top):
-        for name in names:
-            path = os.path.join(folder, name)
-            if not os.path.islink(path):
+    """Remove a run's folder, whatever its ClientApp left there (:func:`_remove_tree`); a failure is logged, never
+    raised, so that the ClientApp's exit code stays the wrapper's."""
+    try:
+        _remove_tree(top)
+    except Exception as exc:  # a failure to clean up must not hide how the run ended
+        _log(f"could not remove the run's folder {top}: {exc!r}")
+
+
+def _remove_tree(top: Path) -> None:
+    """Empty and remove ``top`` through descriptors, never following a link, at any depth, with two folders open
+    at a time: each folder's entries are moved up into ``top`` (one rename each), then the emptied folder goes.
+
+    A review's ClientApp left a 0500 folder (``rmtree`` could not empty it, and the next run found it) and a
+    nesting 1,100 folders deep (``os.walk`` and ``rmtree`` recurse: RecursionError, folder left, exit code lost).
+    A folder is made 0700 through an ``O_PATH | O_NOFOLLOW`` descriptor of it, so a link swapped in is unlinked,
+    never followed."""
+    token = f".fedfilter-removing-{os.getpid()}-{threading.get_ident()}"
+    moved = 0
+    root = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(root, 0o700)
+        while True:
+            with os.scandir(root) as found:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in found]
+            if not entries:
+                break
+            progress = False
+            for name, is_dir in entries:
                 with contextlib.suppress(OSError):
-                    os.chmod(path, 0o700)
-    shutil.rmtree(top, ignore_errors=True)
+                    if not is_dir:
+                        os.unlink(name, dir_fd=root)
+                        progress = True
+                        continue
+                    try:
+                        handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY, dir_fd=root)
+                    except OSError:  # not a folder any more (a link swapped in): unlinked, never followed
+                        os.unlink(name, dir_fd=root)
+                        progress = True
+                        continue
+                    try:
+                        os.chmod(f"/proc/self/fd/{handle}", 0o700)
+                        folder = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_DIRECTORY)
+                    finally:
+                        os.close(handle)
+                    try:
+                        with os.scandir(folder) as inner:
+                            names = [e.name for e in inner]
+                        for inside in names:
+                            moved += 1
+                            os.rename(inside, f"{token}-{moved}", src_dir_fd=folder, dst_dir_fd=root)
+                            progress = True
+                    finally:
+                        os.close(folder)
+                    os.rmdir(name, dir_fd=root)
+                    progress = True
+            if not progress:
+                raise OSError(f"{top}: entries that cannot be removed: {[name for name, _ in entries][:5]}")
+    finally:
+        os.close(root)
+    os.rmdir(top)
 
 
 def _die_with_parent() -> None:

@@ -155,6 +155,11 @@ PROBE = (
     "seen['umount'] = call(libc.umount2(b'/proc/stat', 2))\n"
     "seen['ipc'] = os.readlink('/proc/self/ns/ipc')\n"
     "seen['dev'] = sorted(os.listdir('/dev'))\n"
+    "seen['caps'] = [line.split()[1] for line in open('/proc/self/status') if line.startswith('CapEff')][0]\n"
+    "seen['umount_sys'] = call(libc.umount2(b'/proc/sys', 2))\n"
+    "import signal, time\n"
+    "os.kill(1, signal.SIGINT)  # the supervisor ignores it: the run goes on\n"
+    "time.sleep(0.3)\n"
     "libc.syscall.restype = ctypes.c_long\n"
     f"seen['keyring'] = libc.syscall({clientapp_sandbox.KEYCTL.get(__import__('platform').machine(), -1)}, 0, -3, 0)\n"
     "def write(path):\n"
@@ -218,6 +223,8 @@ def test_inside_the_host_cpu_counters_are_masked_and_the_masks_stay(tmp_path: Pa
     # PID 1 is the sandbox's supervisor (the ClientApp cannot signal or trace it), the ClientApp PID 2.
     assert seen["pids"] == [1, 2] and seen["sys"] == []
     assert seen["dev"] == ["full", "null", "random", "urandom", "zero"]
+    # No capability, also as root (a root SuperNode's ClientApp lifted /proc/sys and read cpu.stat with them).
+    assert int(seen["caps"], 16) == 0 and seen["umount_sys"][0] == -1
     assert seen["keyring"] > 0 and seen["keyring"] != _session_keyring()  # not the SuperNode's, which runs share
     assert seen["files"] == {"/proc/stat": "", "/proc/uptime": "", "/proc/loadavg": ""}
     assert seen["umount"][0] == -1 and seen["umount_nested"][0] == -1  # locked: never lifted
@@ -243,6 +250,11 @@ def _session_keyring() -> int:
 
 LEFTOVERS = (
     "print(os.getcwd(), flush=True)\n"
+    "deep = 'deep'\n"
+    "for _ in range(1200):  # os.walk and rmtree recurse: RecursionError, folder left\n"
+    "    os.mkdir(deep)\n"
+    "    os.chdir(deep)\n"
+    "os.chdir(os.environ['HOME'])\n"
     "os.makedirs('keep/inner')\n"
     "open('keep/inner/file', 'w').write('left')\n"
     "os.chmod('keep/inner', 0o000)\n"
