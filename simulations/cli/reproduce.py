@@ -12,6 +12,7 @@ import re
 import subprocess
 import time
 import traceback
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -46,6 +47,8 @@ from simulations.reproductions.fz_sec51 import (
 
 log = logging.getLogger(__name__)
 
+DEFAULT_OUT = Path("fedfilter-out/fz-mnist")  # the campaign's --out, where the report finds its snapshots
+
 # ``fz-mnist --campaign --once`` exit codes: a shell loop runs it until it returns non-zero.
 CAMPAIGN_NOTHING_LEFT = 3
 CAMPAIGN_STUCK = 4  # the same job failed twice: stop rather than loop on it
@@ -77,7 +80,7 @@ def add_parser(sub: Subparsers) -> None:
     run.add_argument(
         "--results", type=Path, default=DEFAULT_RESULTS, help=f"JSON lines file (default {DEFAULT_RESULTS})"
     )
-    run.add_argument("--out", type=Path, default=Path("fedfilter-out/fz-mnist"), help="trial folders go here")
+    run.add_argument("--out", type=Path, default=DEFAULT_OUT, help="trial folders go here")
     run.add_argument("--data-dir", type=Path, help="folder with the MNIST IDX files")
     run.add_argument("--engine", choices=["flower", "inprocess"], help="default: flower (--campaign: inprocess)")
     run.add_argument(
@@ -120,7 +123,7 @@ def add_parser(sub: Subparsers) -> None:
     rep.add_argument(
         "--out",
         type=Path,
-        default=Path("fedfilter-out/fz-mnist"),
+        default=DEFAULT_OUT,
         help="the campaign's --out: jobs stopped mid-run count the steps their snapshots hold",
     )
     rep.add_argument(
@@ -317,7 +320,7 @@ def snapshot_rounds(out: Path, rows: list[dict[str, Any]]) -> dict[str, int]:
         if attempt is not None:
             try:
                 found[job.key] = snapshot_round(attempt / SNAPSHOT)
-            except (OSError, ValueError, KeyError) as exc:
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
                 raise SimulationError(
                     f"{attempt / SNAPSHOT}: expected a run's snapshot, could not read it: {exc}"
                 ) from exc

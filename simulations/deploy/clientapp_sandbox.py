@@ -164,10 +164,13 @@ check(0 if libc.syscall(keyctl, 1, None) >= 0 else -1, "a session keyring of its
 # the namespace limits and read cpu.stat from a fresh cgroupfs): an empty bounding set, and no new privileges.
 for cap in range(64):
     libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last capability)
+kept = [cap for cap in range(64) if libc.prctl(23, cap, 0, 0, 0) == 1]  # PR_CAPBSET_READ: 1 while still there
+check(-1 if kept else 0, f"dropping every capability (still bounded: {kept})")
 check(libc.prctl(38, 1, 0, 0, 0), "no new privileges")  # PR_SET_NO_NEW_PRIVS
 os.execv(sys.executable, [sys.executable, "-I", "-c", RUN, *sys.argv[3:]])
 """
-# What a ClientApp runs: Flower's entry point, then PID 1 ends at once (threads the bundle left cannot keep it).
+# What a ClientApp runs: Flower's entry point, then the ClientApp's process ends at once (threads the bundle
+# left cannot keep it), and the supervisor PID 1 ends the namespace with it.
 FLOWER_CALL = "from flwr.supernode.cli import flwr_clientapp\nsys.argv[0] = 'flwr-clientapp'\ncode = flwr_clientapp()"
 # What the ClientApp keeps of the SuperNode's environment (Flower's own variables are kept too).
 KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "SSL_CERT_FILE", "SSL_CERT_DIR")

@@ -715,6 +715,8 @@ def segment_steps(row: dict[str, Any]) -> int | None:
         return None
     start = int(row.get("resumed_at_round") or 0)
     if row.get("method") == "gdp":
+        if any(key not in row for key in ("tuned_steps", "tuned_clip", "tuned_learning_rate")):
+            return None  # not a campaign run's row: where its branch started is not known
         t = Tuned(int(row["tuned_steps"]), float(row["tuned_clip"]), float(row["tuned_learning_rate"]))
         start = max(start, cell(float(row["epsilon"]), str(row["regime"]), "gd", tuned=t).steps)
     steps = int(row["rounds_completed"]) - start
