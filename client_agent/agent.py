@@ -988,17 +988,18 @@ class Agent:
         if noise is not None:
             total = total + noise
         trust = self.config.trust
+        # Central trust: the exact float64 sum (rounding it before the coordinator's noise would move the
+        # release by more than a unit's charge); local trust: the noisy sum, rounded after the noise.
+        dtype = wire.reply_dtype(trust)
         if trust == "central" and not active_after.any() and not np.any(total):
-            reply = wire.ContributionReply(
-                request.request_id, wire.REPLY_EXHAUSTED, trust, 0.0, np.zeros(0, dtype=np.float32)
-            )
+            reply = wire.ContributionReply(request.request_id, wire.REPLY_EXHAUSTED, trust, 0.0, np.zeros(0, dtype))
         else:
             reply = wire.ContributionReply(
                 request.request_id,
                 wire.REPLY_OK,
                 trust,
                 sigma if noise is not None else 0.0,
-                total.astype(np.float32),
+                total.astype(dtype),
             )
         return reply, new_state, release, new_quota
 
@@ -1106,7 +1107,7 @@ class Agent:
                     "belongs to an earlier run (re-arming needs a new reservation)"
                 )
             new_state = replace(new_state, monitor_run=tag)
-            total = np.array([float(active.sum())], dtype=np.float32)
+            total = np.array([float(active.sum())], dtype=wire.reply_dtype("central"))
             reply = wire.ContributionReply(request.request_id, wire.REPLY_OK, "central", 0.0, total)
             return reply, new_state, MonitorRecord(t)
         if t > monitor.max_rounds:

@@ -44,12 +44,12 @@ class Scripted:
             if total is None:
                 out.error("policy", "noise_std 0.1 asked; the policy requires noise_std >= 1.0")
             elif isinstance(total, str):
-                reply = wire.ContributionReply(
-                    config["request_id"], wire.REPLY_EXHAUSTED, self.trust, 0.0, np.zeros(0, np.float32)
-                )
+                empty = np.zeros(0, wire.reply_dtype(self.trust))
+                reply = wire.ContributionReply(config["request_id"], wire.REPLY_EXHAUSTED, self.trust, 0.0, empty)
                 out.replies[node] = reply.encode()
             else:
                 noise = 1.0 if self.trust == "local" else 0.0
+                total = total.astype(wire.reply_dtype(self.trust))
                 reply = wire.ContributionReply(config["request_id"], wire.REPLY_OK, self.trust, noise, total)
                 out.replies[node] = reply.encode()
         if message_type != wire.STATUS:
@@ -200,7 +200,7 @@ class PartialMonitor(Scripted):
                 out.error("policy", "monitor round refused")
                 continue
             reply = wire.ContributionReply(
-                config["request_id"], wire.REPLY_OK, "central", 0.0, np.array([500.0], np.float32)
+                config["request_id"], wire.REPLY_OK, "central", 0.0, np.array([500.0], np.float64)
             )
             out.replies[node] = reply.encode()
         return out

@@ -339,7 +339,7 @@ class Updates:
 def test_coordinator_sends_local_fields_and_steps_by_server_lr_over_public_n() -> None:
     from coordinator.rounds import noise_rng
 
-    update = np.linspace(-1, 1, N_PARAMS).astype(np.float32)
+    update = np.linspace(-1, 1, N_PARAMS)  # a central-trust reply: float64 (wire.reply_dtype)
     transport = Updates(update)
     cfg = coordinator()
     summary = run(transport, cfg)

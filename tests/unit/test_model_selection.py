@@ -129,7 +129,7 @@ class ZeroReplies:
     def send(self, kind: str, payloads: dict[int, Any], *, timeout: float) -> RoundReplies:
         out = RoundReplies()
         for node, (config, _) in payloads.items():
-            reply = wire.ContributionReply(config["request_id"], "ok", "central", 0.0, np.zeros(1, np.float32))
+            reply = wire.ContributionReply(config["request_id"], "ok", "central", 0.0, np.zeros(1, np.float64))
             out.replies[node] = reply.encode()
         return out
 

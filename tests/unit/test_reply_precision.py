@@ -1,0 +1,139 @@
+"""What the release adds for a unit is within what the unit is charged, to the last rounding (privacy.md §2).
+
+Two gaps found by a hostile review (2026-11-27), each with the test that would have caught it:
+
+- central trust rounded each client's exact float64 sum to float32 *before* the coordinator's noise, so the
+  released sum moved by up to an ulp of the whole sum in every coordinate when one record came or went:
+  a record charged 5.6e-5 moved it by 2.0e-4 (the float32 spacing near 140 is 1.5e-5), 3.6x its charge;
+- materialised rows (client units, indicators) were charged their float64 norm with no margin for that
+  norm's own rounding (below 4e-16 relative, but below the exact norm for about half the rows).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client_agent.agent import Agent
+from client_agent.streaming import NORM_REL_ERROR, RowContributions
+from protocol import messages as wire
+from tests.factories import build_agent, gradient_request
+
+FEATURES = 40
+D = 2 * FEATURES + 2  # logreg weights (2, FEATURES) then biases (2,)
+BACKGROUND = 5000
+U = 2.0**-53
+
+
+def _agent(folder: Path, x: np.ndarray, y: np.ndarray) -> Agent:
+    folder.mkdir()
+    return build_agent(folder, (x, y), trust="central", **{"policy-max-model-params": 100})
+
+
+def _released(agent: Agent, parameters: np.ndarray) -> np.ndarray:
+    request = gradient_request(
+        "r1",
+        features=FEATURES,
+        trust="central",
+        noise_std=10.0,  # a bound of about 2.7 (the whole budget at sigma 10): every record is clipped to 1
+        l2_clip=1.0,
+        parameters=parameters,
+    )
+    outcome = agent.handle(wire.GRADIENT, *wire.encode_request(request))
+    assert not outcome.is_error and outcome.arrays is not None
+    total = outcome.arrays["total"]
+    assert total.dtype == np.float64  # central trust: the exact float64 sum, rounded after the noise only
+    return np.asarray(total, dtype=np.float64)
+
+
+def test_a_central_reply_moves_by_at_most_the_charge_of_the_record_that_differs(tmp_path: Path) -> None:
+    """Neighbouring data sets through the agent's real release path: a background of 5,000 records whose
+    clipped gradients sum to about 140 a coordinate, with and without one record of tiny gradient (its
+    logits favour its label by 12, so its gradient is 6e-6 a coordinate, 0.4 of the float32 spacing
+    of the sum). The two central-trust replies may differ by the record's charged norm plus the float64
+    accumulation bound gamma_n x (the charged norms summed), both sums' (privacy.md §2), never more.
+    Before the fix the replies were float32 and moved 2.0e-4 for a charge of 5.6e-5."""
+    rng = np.random.default_rng(0)
+    background = rng.uniform(0.5, 1.5, size=(BACKGROUND, FEATURES)).astype(np.float32)
+    target = np.ones((1, FEATURES), dtype=np.float32)
+    parameters = np.zeros(D, np.float32)
+    parameters[2 * FEATURES] = 12.0  # bias of class 0: every record is predicted 0 with p = 1 - 6e-6
+    x_with = np.concatenate([background, target])
+    y_with = np.concatenate([np.ones(BACKGROUND, np.int64), np.zeros(1, np.int64)])
+    with_target = _agent(tmp_path / "with", x_with, y_with)
+    without = _agent(tmp_path / "without", background, np.ones(BACKGROUND, np.int64))
+    r_with, r_without = _released(with_target, parameters), _released(without, parameters)
+    charged_with = [rel["l2_norms"] for _, _, rel in with_target.ledger.releases()][-1]
+    charged_without = [rel["l2_norms"] for _, _, rel in without.ledger.releases()][-1]
+    with_target.close()
+    without.close()
+    charge = float(charged_with[-1])
+    assert 1e-5 < charge < 1e-4  # the record that differs pays little; the others about 1 each
+    assert np.all(charged_with[:-1] > 0.99)
+    slack = (BACKGROUND + 1) * U / (1 - (BACKGROUND + 1) * U) * (charged_with.sum() + charged_without.sum())
+    moved = float(np.linalg.norm(r_with - r_without))
+    assert moved <= charge + slack, f"the reply moved {moved:.3e} for a record charged {charge:.3e}"
+
+
+def test_a_reply_keeps_its_dtype_by_trust_whatever_stopped(tmp_path: Path) -> None:
+    """The dtype is fixed by the trust (public), never by the data: float64 in central trust, float32 in local
+    trust, where the client's own noise is added in float64 first (rounding after it is post-processing)."""
+    x = np.random.default_rng(1).normal(size=(4, 3)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    for trust, dtype in (("central", np.float64), ("local", np.float32)):
+        agent = build_agent(_fresh(tmp_path / trust), (x, y), trust=trust, **{"noise-seed": 1})
+        outcome = agent.handle(wire.GRADIENT, *wire.encode_request(gradient_request("r1", trust=trust)))
+        agent.close()
+        assert not outcome.is_error and outcome.arrays is not None
+        assert outcome.arrays["total"].dtype == dtype
+        decoded = wire.ContributionReply.decode(outcome.config, outcome.arrays)
+        assert decoded.total.dtype == dtype
+
+
+def _fresh(folder: Path) -> Path:
+    folder.mkdir()
+    return folder
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int64, np.complex64])
+def test_a_reply_of_another_dtype_is_malformed(dtype: type) -> None:
+    config = {"request_id": "r1", "status": wire.REPLY_OK, "trust": "central", "noise_added": 0.0}
+    with pytest.raises(wire.ProtocolError, match=r"'total' must be a 1-d float32 or float64 array"):
+        wire.ContributionReply.decode(config, {"total": np.zeros(3, dtype=dtype)})
+
+
+def test_a_float32_reply_an_earlier_version_stored_still_decodes_in_central_trust() -> None:
+    """A resumed run or a retry replays the stored reply byte for byte, whatever version stored it."""
+    config = {"request_id": "r1", "status": wire.REPLY_OK, "trust": "central", "noise_added": 0.0}
+    stored = np.linspace(-1.0, 1.0, 5, dtype=np.float32)
+    decoded = wire.ContributionReply.decode(config, {"total": stored})
+    assert decoded.total.dtype == np.float32 and np.array_equal(decoded.total, stored)
+
+
+def _exact_norm_below(charged: float, row: np.ndarray) -> bool:
+    """Whether the exact L2 norm of ``row`` (float32 values, exactly as rationals) is at most ``charged``."""
+    squares = sum((Fraction(float(v)) ** 2 for v in row), Fraction(0))
+    return Fraction(charged) ** 2 >= squares
+
+
+def test_materialised_rows_are_charged_at_least_their_exact_norm() -> None:
+    """RowContributions.scale returns the norms charged; each is at least the exact norm of the scaled row the
+    sum adds (rationals), for rows of 4,096 float32 values, scaled or not; a row of one value is exact and
+    pays no margin (counts: a correctly classified record pays exactly (1/sigma)^2)."""
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(200, 4096)).astype(np.float32)
+    units = RowContributions(rows.copy())
+    assert units.norm_rel_error == NORM_REL_ERROR
+    scales = np.where(np.arange(200) % 2 == 0, 1.0, 0.37)
+    charged = units.scale(scales)
+    assert all(_exact_norm_below(float(c), units.rows[i]) for i, c in enumerate(charged))
+    # float64's own norm falls below the exact one on some rows: the margin is what covers them
+    measured = np.linalg.norm(units.rows.astype(np.float64), axis=1)
+    assert not all(_exact_norm_below(float(m), units.rows[i]) for i, m in enumerate(measured))
+    ones = RowContributions(rng.normal(size=(50, 1)).astype(np.float32))
+    assert ones.norm_rel_error == 0.0
+    charged_ones = ones.scale(np.ones(50))
+    assert np.array_equal(charged_ones, np.abs(ones.rows[:, 0]).astype(np.float64))
