@@ -26,14 +26,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from protocol.errors import FedfilterError
+from protocol.messages import WIRE_MAX_VALUES
 from protocol.npz import ArchiveError, load_stored
 
 HEADER = "__header__"
 MAGIC = b"FFA1"
 _PREFIX = struct.Struct(">4sQ")
-# The largest reply the proxy accepts: the wire's largest array (2^28 float32 values) plus headroom.
-# The agent's bound on *requests* is its own, from its policy (client_agent.service.max_request_bytes).
-MAX_FRAME_BYTES = (1 << 30) + (1 << 20)
+# The largest reply the proxy accepts: the wire's largest array (2^28 values) in float64, a central-trust
+# reply's dtype (protocol.messages.reply_dtype), plus headroom. The agent's bound on *requests* is its own,
+# from its policy (client_agent.service.max_request_bytes).
+MAX_FRAME_BYTES = 8 * WIRE_MAX_VALUES + (1 << 20)
 MAX_MEMBERS = 32  # the header and the arrays of the largest message (a secagg step has a handful)
 
 

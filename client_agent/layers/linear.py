@@ -4,6 +4,12 @@ One position per record (the usual (1, in) input of a batch of one): the gradien
 product g a^T, its norm ||a|| ||g|| (float64) and the records' weighted sum (w g)^T a one float64
 matmul, each entry a sum over records of one product each (no cancellation inside a record is
 possible). Several positions (sequences): one bmm g^T a per record.
+
+The factored norm needs factors of float32 or narrower: their squares, at least 2^-298, are normal in
+float64, so ||a||^2 ||g||^2 is within a few roundings. Factors of float64 (an owner's float64 model) are
+materialised as g a^T instead: a subnormal ||a||^2 carries only a few bits, and a review (2026-11-27)
+charged a record 2.7 % less than the product it added (a saturated sigmoid before the layer, a large
+backprop after it).
 """
 
 from __future__ import annotations
@@ -46,6 +52,11 @@ class OuterRows:
             view("bias").add_(gw.sum(dim=0))
 
 
+def _factored(dtype: torch.dtype) -> bool:
+    """Whether a factor of this dtype keeps its square normal in float64 (float32 and narrower)."""
+    return dtype.itemsize <= 4
+
+
 class LinearKind:
     name = "linear"
 
@@ -56,7 +67,7 @@ class LinearKind:
         b = a.shape[0]
         a3, g3 = a.reshape(b, -1, a.shape[-1]), g.reshape(b, -1, g.shape[-1])
         names = ("weight",) + (("bias",) if getattr(m, "bias", None) is not None else ())
-        if a3.shape[1] == 1:
+        if a3.shape[1] == 1 and _factored(a.dtype) and _factored(g.dtype):
             return OuterRows(a3[:, 0], g3[:, 0], names)
         rows = {"weight": torch.bmm(g3.transpose(1, 2), a3)}
         if "bias" in names:
@@ -67,7 +78,7 @@ class LinearKind:
         positions = 1
         for s in a_shape[:-1]:
             positions *= s
-        if positions == 1:  # kept as factors
+        if positions == 1 and _factored(cast(nn.Linear, m).weight.dtype):  # kept as factors
             return int(a_shape[-1]) + int(cast(nn.Linear, m).out_features)
         return sum(p.numel() for p in m.parameters(recurse=False))
 

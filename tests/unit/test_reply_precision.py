@@ -6,7 +6,9 @@ Two gaps found by a hostile review (2026-11-27), each with the test that would h
   released sum moved by up to an ulp of the whole sum in every coordinate when one record came or went:
   a record charged 5.6e-5 moved it by 2.0e-4 (the float32 spacing near 140 is 1.5e-5), 3.6x its charge;
 - materialised rows (client units, indicators) were charged their float64 norm with no margin for that
-  norm's own rounding (below 4e-16 relative, but below the exact norm for about half the rows).
+  norm's own rounding (below 4e-16 relative, but below the exact norm for about half the rows);
+- a second review: a float64 owner model's Linear layer was charged ||a|| ||g|| from float64 factors whose
+  squares can be subnormal (a few bits), 2.7 % below the outer product the sum added.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from client_agent.agent import Agent
-from client_agent.streaming import NORM_REL_ERROR, RowContributions
+from client_agent.streaming import NORM_REL_ERROR, ArraySource, RowContributions, fused_clipped_sum
 from protocol import messages as wire
 from tests.factories import build_agent, gradient_request
 
@@ -137,3 +141,42 @@ def test_materialised_rows_are_charged_at_least_their_exact_norm() -> None:
     assert ones.norm_rel_error == 0.0
     charged_ones = ones.scale(np.ones(50))
     assert np.array_equal(charged_ones, np.abs(ones.rows[:, 0]).astype(np.float64))
+
+
+class _Deep64(nn.Module):
+    """An owner's float64 model: a saturated sigmoid (an input of about 1e-162 for ``l2``), then bias-free
+    layers of weight 3e38 (a backprop of about 1e154 for ``l2``). Every parameter is a float32 value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(1, 1, dtype=torch.float64)
+        self.l2 = nn.Linear(1, 1, bias=False, dtype=torch.float64)
+        self.tail = nn.Sequential(*[nn.Linear(1, 1, bias=False, dtype=torch.float64) for _ in range(4)])
+        with torch.no_grad():
+            self.l1.weight.fill_(1.0)
+            self.l1.bias.fill_(-372.0)
+            self.l2.weight.fill_(1.0)
+            for layer in self.tail:
+                layer.weight.fill_(float(np.float32(3.0e38)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(self.l2(torch.sigmoid(self.l1(x.double()))))
+
+
+def _squared_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out.squeeze(-1) - y.double()) ** 2
+
+
+@pytest.mark.parametrize("hooks", [True, False])
+def test_a_float64_linear_layer_is_charged_at_least_what_it_adds(hooks: bool) -> None:
+    """Through the fused pass Agent.release runs (one record, weight 1): the sum adds the record's gradient,
+    and its charge norm * (1 + E) must be at least that sum's norm. With factored rows the norm came from
+    ||a||^2 ||g||^2 with a subnormal ||a||^2: 1.0070 x the charge (rows), where the direct path held."""
+    x, y = np.ones((1, 1), np.float32), np.full(1, -0.5, np.float32)
+    norms, total, method = fused_clipped_sum(
+        _Deep64(), _squared_error, ArraySource(x, y), lambda start, n: np.ones(n.size), hooks=hooks
+    )
+    assert method == ("rows" if hooks else "direct")
+    added = float(np.linalg.norm(total))
+    assert 1e-9 < added < 1e-6  # an ordinary contribution, from a tiny factor times a huge one
+    assert added <= float(norms[0]) * (1 + NORM_REL_ERROR)
