@@ -13,7 +13,6 @@ Two gaps found by a hostile review (2026-11-27), each with the test that would h
 
 from __future__ import annotations
 
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -118,14 +117,17 @@ def test_a_float32_reply_an_earlier_version_stored_still_decodes_in_central_trus
 
 
 def _exact_norm_below(charged: float, row: np.ndarray) -> bool:
-    """Whether the exact L2 norm of ``row`` (float32 values, exactly as rationals) is at most ``charged``."""
-    squares = sum((Fraction(float(v)) ** 2 for v in row), Fraction(0))
-    return Fraction(charged) ** 2 >= squares
+    """Whether the exact L2 norm of ``row`` (float32 values) is at most ``charged``, in integers: each float32
+    value times 2^149 is an integer, so the squared norm times 2^298 is an exact integer sum."""
+    scaled = np.ldexp(row.astype(np.float64), 149)  # exact: float32's smallest step is 2^-149
+    total = sum(int(v) ** 2 for v in scaled.tolist())
+    p, q = float(charged).as_integer_ratio()  # q a power of two
+    return p * p * (1 << 298) >= total * q * q
 
 
 def test_materialised_rows_are_charged_at_least_their_exact_norm() -> None:
     """RowContributions.scale returns the norms charged; each is at least the exact norm of the scaled row the
-    sum adds (rationals), for rows of 4,096 float32 values, scaled or not; a row of one value is exact and
+    sum adds (exactly, in integers), for rows of 4,096 float32 values, scaled or not; a row of one value is exact and
     pays no margin (counts: a correctly classified record pays exactly (1/sigma)^2)."""
     rng = np.random.default_rng(0)
     rows = rng.normal(size=(200, 4096)).astype(np.float32)
