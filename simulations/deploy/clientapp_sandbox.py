@@ -79,6 +79,18 @@ MASKED_PROC = (
 )  # fmt: skip
 # keyctl(2)'s number where the libc has no wrapper for it (keyutils is not the standard library).
 KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 311, "s390x": 280}
+# sysinfo(2) gives the host's load averages and process count, which no mount masks (the CPU time others
+# spend, in minutes-long averages): a seccomp filter makes it fail with EPERM in the ClientApp, for every
+# system-call ABI a process of these machines can use: (AUDIT_ARCH_*, its sysinfo numbers), x32's with its bit.
+SYSINFO = (
+    (0xC000003E, (99, 0x40000000 | 99)),  # x86_64, x32
+    (0x40000003, (116,)),  # i386
+    (0xC00000B7, (179,)),  # aarch64
+    (0x40000028, (116,)),  # arm
+    (0xC00000F3, (179,)),  # riscv64
+    (0xC0000015, (116,)),  # ppc64le
+    (0x80000016, (116,)),  # s390x
+)
 MAX_ENV = "FEDFILTER_CLIENTAPP_MAX_SECONDS"
 MAX_S = 3600.0  # one task (one message): then the namespace is killed, whatever the ClientApp does
 # In the namespace, as its root: the masks, then PID 1 stays a supervisor (init of the PID namespace, in the
@@ -167,6 +179,20 @@ for cap in range(64):
 kept = [cap for cap in range(64) if libc.prctl(23, cap, 0, 0, 0) == 1]  # PR_CAPBSET_READ: 1 while still there
 check(-1 if kept else 0, f"dropping every capability (still bounded: {kept})")
 check(libc.prctl(38, 1, 0, 0, 0), "no new privileges")  # PR_SET_NO_NEW_PRIVS
+# The seccomp filter (classic BPF over struct seccomp_data: nr at offset 0, arch at 4): sysinfo -> EPERM.
+code = []
+for arch, numbers in SYSINFO:
+    code += [(0x20, 0, 0, 4), (0x15, 0, len(numbers) + 1, arch), (0x20, 0, 0, 0)]  # ld arch; jeq; ld nr
+    code += [(0x15, 0xFF, 0, nr) for nr in numbers]  # jeq nr -> the EPERM return (offset set below)
+code += [(0x06, 0, 0, 0x7FFF0000), (0x06, 0, 0, 0x00050000 | 1)]  # ret ALLOW; ret ERRNO(EPERM)
+code = [(c, (len(code) - 1 - (i + 1)) if jt == 0xFF else jt, jf, k) for i, (c, jt, jf, k) in enumerate(code)]
+class Filter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+class Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+filters = (Filter * len(code))(*[Filter(*c) for c in code])
+program = Program(len(code), filters)
+check(libc.prctl(22, 2, ctypes.byref(program), 0, 0), "a seccomp filter for sysinfo")  # PR_SET_SECCOMP, FILTER
 os.execv(sys.executable, [sys.executable, "-I", "-c", RUN, *sys.argv[3:]])
 """
 # What a ClientApp runs: Flower's entry point, then the ClientApp's process ends at once (threads the bundle
@@ -193,7 +219,7 @@ def run_program(call: str) -> str:
 
 def sandboxed(run: str) -> str:
     """SETUP with RUN = ``run``: the program the namespace's PID 1 runs (argv: uid, gid, then Flower's)."""
-    return f"MASKED = {MASKED_PROC!r}\nKEYCTL = {KEYCTL!r}\nRUN = {run!r}\n" + SETUP
+    return f"MASKED = {MASKED_PROC!r}\nKEYCTL = {KEYCTL!r}\nSYSINFO = {SYSINFO!r}\nRUN = {run!r}\n" + SETUP
 
 
 def _log(text: str) -> None:

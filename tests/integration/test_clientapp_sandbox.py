@@ -151,6 +151,11 @@ PROBE = (
     "    return [rc, ctypes.get_errno() if rc != 0 else 0]\n"
     "seen = {'uid': os.getuid(), 'pids': sorted(int(p) for p in os.listdir('/proc') if p.isdigit())}\n"
     "seen['files'] = {f: open(f).read() for f in ('/proc/stat', '/proc/uptime', '/proc/loadavg') }\n"
+    "seen['sysinfo'] = call(libc.sysinfo(ctypes.create_string_buffer(256)))  # the host's load averages\n"
+    "try:\n"
+    "    seen['loadavg'] = list(os.getloadavg())\n"
+    "except OSError:\n"
+    "    seen['loadavg'] = 'unobtainable'\n"
     "seen['sys'] = os.listdir('/sys')\n"
     "seen['umount'] = call(libc.umount2(b'/proc/stat', 2))\n"
     "seen['ipc'] = os.readlink('/proc/self/ns/ipc')\n"
@@ -227,6 +232,8 @@ def test_inside_the_host_cpu_counters_are_masked_and_the_masks_stay(tmp_path: Pa
     assert int(seen["caps"], 16) == 0 and seen["umount_sys"][0] == -1
     assert seen["keyring"] > 0 and seen["keyring"] != _session_keyring()  # not the SuperNode's, which runs share
     assert seen["files"] == {"/proc/stat": "", "/proc/uptime": "", "/proc/loadavg": ""}
+    # sysinfo(2) gave the host's load averages, which no mount masks: a seccomp filter refuses it (EPERM).
+    assert seen["sysinfo"] == [-1, 1] and seen["loadavg"] == "unobtainable"
     assert seen["umount"][0] == -1 and seen["umount_nested"][0] == -1  # locked: never lifted
     # Writes go into the run's own folder (removed with it) and nowhere else: not /tmp, /dev/shm, another run's.
     assert seen["own"] == "written" and seen["writes"]["/tmp/fedfilter-planted"] == "Read-only file system"
