@@ -73,24 +73,50 @@ UNSHARE = (
 )  # fmt: skip
 # Host-wide counters in the namespace's own /proc that tell the CPU time others spend (on a dedicated cpuset,
 # the agent's): masked with /dev/null (files) or an empty read-only tmpfs (folders), with all of /sys.
+# A review found /proc/timer_list (each CPU's idle and iowait time in ns, to a root node's ClientApp) and
+# /proc/irq/*/spurious (per-interrupt counts, to any uid) open; sched_debug and timer_stats on older kernels.
 MASKED_PROC = (
     "stat", "uptime", "loadavg", "pressure", "interrupts", "softirqs", "schedstat", "vmstat", "diskstats",
-    "zoneinfo", "sysrq-trigger",
+    "zoneinfo", "sysrq-trigger", "timer_list", "sched_debug", "timer_stats", "irq", "sys/fs/file-nr",
 )  # fmt: skip
 # keyctl(2)'s number where the libc has no wrapper for it (keyutils is not the standard library).
 KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 311, "s390x": 280}
 # sysinfo(2) gives the host's load averages and process count, which no mount masks (the CPU time others
-# spend, in minutes-long averages): a seccomp filter makes it fail with EPERM in the ClientApp, for every
-# system-call ABI a process of these machines can use: (AUDIT_ARCH_*, its sysinfo numbers), x32's with its bit.
-SYSINFO = (
-    (0xC000003E, (99, 0x40000000 | 99)),  # x86_64, x32
-    (0x40000003, (116,)),  # i386
-    (0xC00000B7, (179,)),  # aarch64
-    (0x40000028, (116,)),  # arm
-    (0xC00000F3, (179,)),  # riscv64
-    (0xC0000015, (116,)),  # ppc64le
-    (0x80000016, (116,)),  # s390x
+# spend, in minutes-long averages), and perf_event_open(2) counts events a permissive host
+# (perf_event_paranoid <= 0) shares: a seccomp filter makes both fail with EPERM in the ClientApp. The
+# system-call ABIs a process of the supported machines can use, (AUDIT_ARCH_*, the two numbers), x32's with its
+# bit; any other ABI fails every call with ENOSYS (a ClientApp may run its own binary, e.g. a static 32-bit
+# one, and an ABI left out would get around the filter).
+DENIED = (
+    (0xC000003E, (99, 298, 0x40000000 | 99, 0x40000000 | 298)),  # x86_64, x32
+    (0x40000003, (116, 336)),  # i386
+    (0xC00000B7, (179, 241)),  # aarch64
+    (0x40000028, (116, 364)),  # arm
+    (0xC00000F3, (179, 241)),  # riscv64
+    (0x400000F3, (179, 241)),  # riscv32
+    (0xC0000015, (116, 319)),  # ppc64le
+    (0x00000014, (116, 319)),  # ppc32
+    (0x80000016, (116, 331)),  # s390x
+    (0x00000016, (116, 331)),  # s390 (31-bit)
 )
+
+
+def seccomp_program(denied: tuple[tuple[int, tuple[int, ...]], ...]) -> list[tuple[int, int, int, int]]:
+    """Classic BPF over struct seccomp_data (nr at offset 0, arch at 4): a listed ABI's listed numbers return
+    ERRNO(EPERM), its other calls ALLOW, and a call of an unlisted ABI ERRNO(ENOSYS). (code, jt, jf, k) rows."""
+    code = [(0x20, 0, 0, 4)]  # ld arch
+    for arch, numbers in denied:
+        code += [(0x15, 0, len(numbers) + 2, arch), (0x20, 0, 0, 0)]  # jeq arch, else the next ABI; ld nr
+        code += [(0x15, -1, 0, nr) for nr in numbers]  # jeq nr: to EPERM
+        code += [(0x05, 0, 0, -2)]  # ja: to ALLOW
+    code += [(0x06, 0, 0, 0x00050000 | 38), (0x06, 0, 0, 0x7FFF0000), (0x06, 0, 0, 0x00050000 | 1)]
+    last = len(code) - 1  # ERRNO(ENOSYS) (an unlisted ABI), ALLOW, ERRNO(EPERM)
+    return [
+        (c, last - (i + 1) if jt == -1 else jt, jf, last - 1 - (i + 1) if c == 0x05 else k)
+        for i, (c, jt, jf, k) in enumerate(code)
+    ]
+
+
 MAX_ENV = "FEDFILTER_CLIENTAPP_MAX_SECONDS"
 MAX_S = 3600.0  # one task (one message): then the namespace is killed, whatever the ClientApp does
 # In the namespace, as its root: the masks, then PID 1 stays a supervisor (init of the PID namespace, in the
@@ -179,20 +205,14 @@ for cap in range(64):
 kept = [cap for cap in range(64) if libc.prctl(23, cap, 0, 0, 0) == 1]  # PR_CAPBSET_READ: 1 while still there
 check(-1 if kept else 0, f"dropping every capability (still bounded: {kept})")
 check(libc.prctl(38, 1, 0, 0, 0), "no new privileges")  # PR_SET_NO_NEW_PRIVS
-# The seccomp filter (classic BPF over struct seccomp_data: nr at offset 0, arch at 4): sysinfo -> EPERM.
-code = []
-for arch, numbers in SYSINFO:
-    code += [(0x20, 0, 0, 4), (0x15, 0, len(numbers) + 1, arch), (0x20, 0, 0, 0)]  # ld arch; jeq; ld nr
-    code += [(0x15, 0xFF, 0, nr) for nr in numbers]  # jeq nr -> the EPERM return (offset set below)
-code += [(0x06, 0, 0, 0x7FFF0000), (0x06, 0, 0, 0x00050000 | 1)]  # ret ALLOW; ret ERRNO(EPERM)
-code = [(c, (len(code) - 1 - (i + 1)) if jt == 0xFF else jt, jf, k) for i, (c, jt, jf, k) in enumerate(code)]
+# The seccomp filter (seccomp_program's rows): sysinfo and perf_event_open fail with EPERM, other ABIs ENOSYS.
 class Filter(ctypes.Structure):
     _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
 class Program(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
-filters = (Filter * len(code))(*[Filter(*c) for c in code])
-program = Program(len(code), filters)
-check(libc.prctl(22, 2, ctypes.byref(program), 0, 0), "a seccomp filter for sysinfo")  # PR_SET_SECCOMP, FILTER
+filters = (Filter * len(SECCOMP))(*[Filter(*row) for row in SECCOMP])
+program = Program(len(SECCOMP), filters)
+check(libc.prctl(22, 2, ctypes.byref(program), 0, 0), "a seccomp filter")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 os.execv(sys.executable, [sys.executable, "-I", "-c", RUN, *sys.argv[3:]])
 """
 # What a ClientApp runs: Flower's entry point, then the ClientApp's process ends at once (threads the bundle
@@ -219,7 +239,8 @@ def run_program(call: str) -> str:
 
 def sandboxed(run: str) -> str:
     """SETUP with RUN = ``run``: the program the namespace's PID 1 runs (argv: uid, gid, then Flower's)."""
-    return f"MASKED = {MASKED_PROC!r}\nKEYCTL = {KEYCTL!r}\nSYSINFO = {SYSINFO!r}\nRUN = {run!r}\n" + SETUP
+    head = f"MASKED = {MASKED_PROC!r}\nKEYCTL = {KEYCTL!r}\nSECCOMP = {seccomp_program(DENIED)!r}\n"
+    return head + f"RUN = {run!r}\n" + SETUP
 
 
 def _log(text: str) -> None:

@@ -152,6 +152,11 @@ PROBE = (
     "seen = {'uid': os.getuid(), 'pids': sorted(int(p) for p in os.listdir('/proc') if p.isdigit())}\n"
     "seen['files'] = {f: open(f).read() for f in ('/proc/stat', '/proc/uptime', '/proc/loadavg') }\n"
     "seen['sysinfo'] = call(libc.sysinfo(ctypes.create_string_buffer(256)))  # the host's load averages\n"
+    "libc.syscall.restype = ctypes.c_long\n"
+    "perf = {'x86_64': 298, 'aarch64': 241, 'riscv64': 241, 'ppc64le': 319, 's390x': 331}[os.uname().machine]\n"
+    "seen['perf'] = call(libc.syscall(perf, None, 0, -1, -1, 0))\n"
+    "seen['more'] = {f: open(f).read() for f in ('/proc/timer_list', '/proc/sys/fs/file-nr') if os.path.exists(f)}\n"
+    "seen['irq'] = os.listdir('/proc/irq')\n"
     "try:\n"
     "    seen['loadavg'] = list(os.getloadavg())\n"
     "except OSError:\n"
@@ -234,6 +239,9 @@ def test_inside_the_host_cpu_counters_are_masked_and_the_masks_stay(tmp_path: Pa
     assert seen["files"] == {"/proc/stat": "", "/proc/uptime": "", "/proc/loadavg": ""}
     # sysinfo(2) gave the host's load averages, which no mount masks: a seccomp filter refuses it (EPERM).
     assert seen["sysinfo"] == [-1, 1] and seen["loadavg"] == "unobtainable"
+    assert seen["perf"] == [-1, 1]  # perf_event_open too (a host with perf_event_paranoid <= 0 shares counts)
+    # A review read each CPU's idle time (timer_list, as root) and per-interrupt counts (irq/*/spurious).
+    assert set(seen["more"].values()) == {""} and seen["irq"] == []
     assert seen["umount"][0] == -1 and seen["umount_nested"][0] == -1  # locked: never lifted
     # Writes go into the run's own folder (removed with it) and nowhere else: not /tmp, /dev/shm, another run's.
     assert seen["own"] == "written" and seen["writes"]["/tmp/fedfilter-planted"] == "Read-only file system"
