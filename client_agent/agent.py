@@ -916,7 +916,9 @@ class Agent:
             else:
                 norms = units.norms()
                 finite = np.isfinite(norms)
-                scales = clip_scales(or_zero(finite, norms), bounds / margin, dtype_eps=FLOAT32_EPS) * finite
+                norms = or_zero(finite, norms)
+                clip_to = bounds / units.clip_margins(norms, bounds)
+                scales = clip_scales(norms, clip_to, dtype_eps=FLOAT32_EPS) * finite
                 clipped_norms = _with_slack(units.scale(scales), slack)
                 result, new_q = charge_with_quota(
                     self.gaussian, fstate, qfilter, qstate, noise_std=sigma, l2_norms=clipped_norms
@@ -955,7 +957,8 @@ class Agent:
             norms = units.norms()
             finite = np.isfinite(norms)
             norms = or_zero(finite, norms)
-            scales = clip_scales(norms, np.full(norms.size, clip) / margin, dtype_eps=FLOAT32_EPS) * finite
+            clips = np.full(norms.size, clip)
+            scales = clip_scales(norms, clips / units.clip_margins(norms, clips), dtype_eps=FLOAT32_EPS) * finite
             clipped_norms = units.scale(scales)
             step = decide(self.realisation, rstate, mu=clipped_norms / sigma)
             total = units.weighted_sum(step.participating)

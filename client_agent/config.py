@@ -46,6 +46,11 @@ class AgentConfigError(FedfilterError, ValueError):
     """The agent's configuration is missing a key or has a bad value."""
 
 
+# SQLite's default SQLITE_MAX_LENGTH: the largest value (a stored reply) one row may hold, in bytes.
+STORED_VALUE_BYTES = 1_000_000_000
+REPLY_HEADROOM_BYTES = 1 << 20  # the reply archive's headers and small arrays
+
+
 @dataclass(frozen=True)
 class Policy:
     """Limits the client keeps whatever the coordinator asks (a request outside them spends nothing)."""
@@ -573,6 +578,17 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         max_activation_mb=_get(raw, "policy-max-activation-mb", int, default.max_activation_mb),
         max_request_share=_get(raw, "policy-max-request-share", float, default.max_request_share),
     )
+    # Each reply is stored whole in the ledger before it is sent (a retry is answered from it), and SQLite holds
+    # at most SQLITE_MAX_LENGTH (1e9) bytes in one value: 8 bytes a parameter in central trust (the exact float64
+    # sum, protocol.messages.reply_dtype) and secagg (uint64 masked values), 4 in local trust.
+    trust_named = raw.get("trust", "local")
+    per_value = 4 if trust_named == "local" else 8
+    if policy.max_model_params > (STORED_VALUE_BYTES - REPLY_HEADROOM_BYTES) // per_value:
+        raise AgentConfigError(
+            f"policy-max-model-params: expected at most {(STORED_VALUE_BYTES - REPLY_HEADROOM_BYTES) // per_value} "
+            f"in {trust_named} trust (a reply of {per_value} bytes a parameter is stored whole in the ledger, "
+            f"at most {STORED_VALUE_BYTES} bytes), got {policy.max_model_params}"
+        )
     if not 1 <= policy.min_secagg_scale_bits <= 52:
         raise AgentConfigError(
             f"policy-secagg-min-scale-bits: expected an integer in [1, 52], got {policy.min_secagg_scale_bits}"

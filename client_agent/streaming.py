@@ -531,8 +531,9 @@ class Contributions(Protocol):
     """Each unit's unclipped contribution, as the release kernel uses it (same work on every unit).
 
     ``norm_rel_error``: the relative error of :meth:`norms` against what :meth:`weighted_sum` adds
-    up; the release clips to bound / (1 + norm_rel_error). ``trainable``: which of the ``dim`` entries are
-    a trainable parameter's (None: all); the others are released as exact zeros, noise included.
+    up; the release clips to bound / :meth:`clip_margins` (at most 1 + norm_rel_error). ``trainable``: which
+    of the ``dim`` entries are a trainable parameter's (None: all); the others are released as exact zeros,
+    noise included.
     """
 
     n_units: int
@@ -544,6 +545,10 @@ class Contributions(Protocol):
         """Each unit's L2 norm (float64; non-finite for a unit that overflows)."""
         ...
 
+    def clip_margins(self, norms: NDArray[np.float64], bounds: NDArray[np.float64]) -> NDArray[np.float64]:
+        """Each unit's clip margin: the release clips unit i to bounds[i] / margins[i] (after :meth:`norms`)."""
+        ...
+
     def scale(self, scales: NDArray[np.float64]) -> NDArray[np.float64]:
         """Scale unit i by ``scales[i]`` (0 for a non-finite unit); return the norms to charge, >= the true ones."""
         ...
@@ -553,15 +558,32 @@ class Contributions(Protocol):
         ...
 
 
+def _exact_norms(rows: NDArray[np.float64]) -> NDArray[np.bool_]:
+    """Which rows (float64 copies of float32 values) have an exactly computed L2 norm: one value (sqrt(x^2) = |x|),
+    or integers whose squares sum below 2^52 (every square and partial sum an integer float64 holds, in any
+    order) to the square of an integer (so the correctly rounded square root is exact). Branch-free."""
+    if rows.shape[1] == 1:
+        return np.asarray(np.isfinite(rows[:, 0]))
+    squares = np.einsum("ij,ij->i", rows, rows)
+    roots = np.sqrt(squares)
+    with np.errstate(invalid="ignore"):
+        # A count, not np.all (which may stop at a row's first fraction): NaN counts; an infinity fails below.
+        whole = np.count_nonzero(rows != np.trunc(rows), axis=1) == 0
+        return np.asarray(whole & (squares < 2.0**52) & (roots == np.trunc(roots)) & (roots * roots == squares))
+
+
 class RowContributions:
     """Materialised float32 rows (n, d): indicators and client units. Scaled in place, measured after scaling.
 
     ``norm_rel_error`` (E): the measured norm is the float64 norm of the float32 row, whose squares are
     exact and whose sum and square root are rounded, below gamma_d / 2 + u relative (u = 2^-53; see
     :data:`NORM_REL_ERROR`), so :meth:`scale` charges it times (1 + E) with E = NORM_REL_ERROR, and the
-    release clips to bound / (1 + E). A row of one value is measured exactly (sqrt(x^2) = |x|): E = 0, so
-    a count pays exactly (1 / sigma)^2. (E was 0 for every row: a review found the float64 norm below the
-    exact one, by up to 3.6e-16 relative, on about half of random rows of 4,096 values.)
+    release clips to bound / (1 + E). Exact rows pay no margin: a row of one value (sqrt(x^2) = |x|: E = 0,
+    so a count pays exactly (1 / sigma)^2), and a row of integers whose squares sum below 2^52 to a perfect
+    square (every partial sum an integer float64 holds, the square root an integer), e.g. a one-hot
+    histogram row, left unscaled: so such a row at norm C is not scaled by 1 / (1 + E), and counts stay
+    whole. (E was 0 for every row: a review found the float64 norm below the exact one, by up to 3.6e-16
+    relative, on about half of random rows of 4,096 values.)
     """
 
     def __init__(self, rows: NDArray[np.float32], *, trainable: NDArray[np.bool_] | None = None) -> None:
@@ -570,6 +592,7 @@ class RowContributions:
         self.rows = rows if rows.flags.writeable else rows.copy()
         self.n_units, self.dim = self.rows.shape
         self.norm_rel_error = 0.0 if self.dim == 1 else NORM_REL_ERROR
+        self._exact: NDArray[np.bool_] | None = None  # rows whose measured norm is exact (set by norms())
         self.trainable = trainable
         if trainable is not None:
             if trainable.shape != (self.dim,):
@@ -583,11 +606,21 @@ class RowContributions:
         """
         rows = self.rows
         out = np.empty(len(rows), dtype=np.float64)
+        exact = np.empty(len(rows), dtype=np.bool_)
         for start in range(0, len(rows), _BLOCK_ROWS):
-            out[start : start + _BLOCK_ROWS] = np.linalg.norm(
-                rows[start : start + _BLOCK_ROWS].astype(np.float64), axis=1
-            )
+            block = rows[start : start + _BLOCK_ROWS].astype(np.float64)
+            out[start : start + _BLOCK_ROWS] = np.linalg.norm(block, axis=1)
+            exact[start : start + _BLOCK_ROWS] = _exact_norms(block)
+        self._exact = exact
         return out
+
+    def clip_margins(self, norms: NDArray[np.float64], bounds: NDArray[np.float64]) -> NDArray[np.float64]:
+        """1 for a row whose norm is exact and within its bound (left as it is, it is charged its exact norm),
+        1 + E otherwise. The same operations on every row."""
+        exact = self._exact if self._exact is not None else np.zeros(self.n_units, dtype=np.bool_)
+        within = exact & (norms <= bounds)
+        margins: NDArray[np.float64] = 1.0 + self.norm_rel_error * (~within).astype(np.float64)
+        return margins
 
     def scale(self, scales: NDArray[np.float64]) -> NDArray[np.float64]:
         """Scale every row in place by its factor and return the norms to charge: the scaled rows' float64
@@ -606,7 +639,11 @@ class RowContributions:
             # Non-finite entries become 0 bitwise (np.nan_to_num copies through masks: its time grew with them).
             block[...] = or_zero(np.isfinite(block), block)
             out[start : start + _BLOCK_ROWS] = np.linalg.norm(block.astype(np.float64), axis=1)
-        return out * (1.0 + self.norm_rel_error) if self.norm_rel_error else out
+        # An exact row left as it is keeps its exact norm; a scaled row's norm carries the rounding margin.
+        exact = self._exact if self._exact is not None else np.zeros(self.n_units, dtype=np.bool_)
+        kept = exact & (np.asarray(scales) == 1.0)
+        charged: NDArray[np.float64] = out * (1.0 + self.norm_rel_error * (~kept).astype(np.float64))
+        return charged
 
     def weighted_sum(self, weights: NDArray[Any]) -> NDArray[np.float64]:
         """Multiply every row by its weight, in place, and return the sum of all rows (float64).
@@ -678,6 +715,10 @@ class StreamedGradients:
                 hooks=self.hooks,
             )
         return self._norms
+
+    def clip_margins(self, norms: NDArray[np.float64], bounds: NDArray[np.float64]) -> NDArray[np.float64]:
+        """1 + E for every record (the fused pass clips to bound / (1 + E) before any norm exists)."""
+        return np.full(np.shape(norms), 1.0 + NORM_REL_ERROR)
 
     def _sendable(self) -> NDArray[np.bool_]:
         norms = self.norms()

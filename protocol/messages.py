@@ -215,7 +215,8 @@ def _flat_finite(arrays: Mapping[str, Any], key: str, kind: str, *, max_size: in
     return arr
 
 
-# Hard wire limit, before any client policy: 2^28 float32 values (1 GiB).
+# Hard wire limit, before any client policy: 2^28 values (1 GiB of float32 parameters). An agent's own
+# policy-max-model-params is lower where its replies must fit its ledger (client_agent/config.py).
 WIRE_MAX_VALUES = 1 << 28
 
 

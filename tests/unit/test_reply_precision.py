@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from client_agent.agent import Agent
+from client_agent.state import AgentState
 from client_agent.streaming import NORM_REL_ERROR, ArraySource, RowContributions, fused_clipped_sum
 from protocol import messages as wire
-from tests.factories import build_agent, gradient_request
+from tests.factories import build_agent, gradient_request, node_config
 
 FEATURES = 40
 D = 2 * FEATURES + 2  # logreg weights (2, FEATURES) then biases (2,)
@@ -182,3 +183,45 @@ def test_a_float64_linear_layer_is_charged_at_least_what_it_adds(hooks: bool) ->
     added = float(np.linalg.norm(total))
     assert 1e-9 < added < 1e-6  # an ordinary contribution, from a tiny factor times a huge one
     assert added <= float(norms[0]) * (1 + NORM_REL_ERROR)
+
+
+def test_a_one_hot_histogram_row_at_the_clip_is_counted_whole_and_charged_exactly(tmp_path: Path) -> None:
+    """Exact rows pay no margin: one-hot rows of 5 cells (norm 1) at clip 1 through Agent.release are summed
+    unscaled (whole counts) and charged exactly 1; a row of 3 and 4 (norm 5, exact) over the clip is scaled
+    with the margin and charged at most the clip; a row of 0.5 and 0.25 (not integers) within the clip pays
+    the margin on its measured norm.
+    With the margin on every row (a review) each one-hot record counted 0.99999."""
+    n = 40
+    x = np.random.default_rng(2).normal(size=(n, 3)).astype(np.float32)
+    agent = build_agent(tmp_path, (x, (x[:, 0] > 0).astype(np.int64)), trust="central", unit="record")
+    rows = np.zeros((n, 5), dtype=np.float32)
+    rows[np.arange(n - 2), np.arange(n - 2) % 5] = 1.0
+    rows[n - 2, :2] = (3.0, 4.0)
+    rows[n - 1, :2] = (0.5, 0.25)
+    request = wire.IndicatorRequest(
+        request_id="h1", run_id="run", round=1, noise_std=10.0, l2_clip=1.0, trust="central", unit="record",
+        predicate="column", column=0, value=0.0,
+    )  # fmt: skip
+    state = AgentState.from_arrays(agent.ledger.state())
+    reply, _, release, _ = agent.release(request, rows, state)
+    agent.close()
+    assert isinstance(reply, wire.ContributionReply) and reply.total.dtype == np.float64
+    counts = np.bincount(np.arange(n - 2) % 5, minlength=5).astype(np.float64)
+    np.testing.assert_array_equal(reply.total[2:], counts[2:])  # whole counts where only one-hot rows fall
+    norms = np.asarray(release.l2_norms)
+    assert np.all(norms[: n - 2] == 1.0)  # charged exactly their exact norm
+    assert norms[n - 2] <= 1.0 and norms[n - 2] > 0.9999  # scaled under the clip, margin included
+    assert norms[n - 1] == np.sqrt(0.3125) * (1 + NORM_REL_ERROR)  # unscaled, measured norm times (1 + E)
+    assert np.all(np.abs(reply.total[:2] - counts[:2] - np.array([0.6, 0.8]) - [0.5, 0.25]) < 1e-4)
+
+
+def test_a_policy_whose_largest_reply_the_ledger_cannot_store_is_refused_at_start(tmp_path: Path) -> None:
+    """A reply is stored whole in the ledger (SQLite: at most 1e9 bytes a value) before it is sent: float64 in
+    central trust since the fix, so 2e8 parameters fit local trust's float32 replies but not central's."""
+    from client_agent.config import AgentConfigError, parse_agent_config
+
+    big = {"policy-max-model-params": 200_000_000}
+    assert parse_agent_config(node_config(_fresh(tmp_path / "local"), trust="local", **big), simulation=True)
+    central = node_config(_fresh(tmp_path / "central"), trust="central", **big)
+    with pytest.raises(AgentConfigError, match=r"policy-max-model-params: expected at most 124868928 in central"):
+        parse_agent_config(central, simulation=True)
