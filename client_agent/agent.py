@@ -917,7 +917,8 @@ class Agent:
                 norms = units.norms()
                 finite = np.isfinite(norms)
                 norms = or_zero(finite, norms)
-                clip_to = bounds / units.clip_margins(norms, bounds)
+                headroom = room if cap is None else np.minimum(room, sigma * np.sqrt(cap) - slack)
+                clip_to = bounds / units.clip_margins(norms, bounds, headroom)
                 scales = clip_scales(norms, clip_to, dtype_eps=FLOAT32_EPS) * finite
                 clipped_norms = _with_slack(units.scale(scales), slack)
                 result, new_q = charge_with_quota(
@@ -958,7 +959,8 @@ class Agent:
             finite = np.isfinite(norms)
             norms = or_zero(finite, norms)
             clips = np.full(norms.size, clip)
-            scales = clip_scales(norms, clips / units.clip_margins(norms, clips), dtype_eps=FLOAT32_EPS) * finite
+            margins = units.clip_margins(norms, clips, np.full(norms.size, np.inf))  # no filter of S <= T here
+            scales = clip_scales(norms, clips / margins, dtype_eps=FLOAT32_EPS) * finite
             clipped_norms = units.scale(scales)
             step = decide(self.realisation, rstate, mu=clipped_norms / sigma)
             total = units.weighted_sum(step.participating)

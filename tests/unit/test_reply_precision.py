@@ -20,10 +20,11 @@ import pytest
 import torch
 from torch import nn
 
-from client_agent.agent import Agent
+from client_agent.agent import FLOAT32_EPS, Agent
 from client_agent.state import AgentState
 from client_agent.streaming import NORM_REL_ERROR, ArraySource, RowContributions, fused_clipped_sum
 from protocol import messages as wire
+from protocol.filters import FilterState, GaussianFilter, charge, clip_scales, partial_clip
 from tests.factories import build_agent, gradient_request, node_config
 
 FEATURES = 40
@@ -225,3 +226,50 @@ def test_a_policy_whose_largest_reply_the_ledger_cannot_store_is_refused_at_star
     central = node_config(_fresh(tmp_path / "central"), trust="central", **big)
     with pytest.raises(AgentConfigError, match=r"policy-max-model-params: expected at most 124868928 in central"):
         parse_agent_config(central, simulation=True)
+
+
+def test_exact_rows_at_the_filters_boundary_are_admitted_never_refused() -> None:
+    """Agent.release's arithmetic for materialised rows (real partial_clip, clip_margins, clip_scales, scale,
+    charge): one-hot rows at clip 1 on units whose remainder T - S is (1/sigma)^2 give or take a few ulps. Each
+    is admitted (scaled where it must be), never refused: charged exactly a bound sigma sqrt(T - S) that rounded
+    up to 1, a review's unit was refused by the filter's S + (1/sigma)^2 > T (sigma 18.529..., below)."""
+    rng = np.random.default_rng(1)
+    onehot = np.eye(10, dtype=np.float32)[:1]
+    cases = [(18.52922320079771, 0.00701303109238484, 0.004100399375715735)]  # the review's example
+    for _ in range(4000):
+        sigma = float(rng.uniform(0.3, 30.0))
+        t = float(rng.uniform(0.5, 50.0)) / sigma**2
+        if (1.0 / sigma) ** 2 <= t:
+            s = t - (1.0 / sigma) ** 2
+            for _ in range(int(rng.integers(-2, 3))):
+                s = float(np.nextafter(s, np.inf))
+            cases.append((sigma, t, s))
+    for sigma, t, s in cases:
+        filt = GaussianFilter(kind="gdp", epsilon=1.0, delta=1e-5, threshold=t)
+        state = FilterState(spent=np.array([s]), stopped=np.array([False]))
+        units = RowContributions(onehot.copy())
+        bounds = partial_clip(filt, state, noise_std=sigma, l2_clip=1.0)
+        norms = units.norms()
+        headroom = sigma * np.sqrt(np.maximum(t - state.spent, 0.0))
+        scales = clip_scales(norms, bounds / units.clip_margins(norms, bounds, headroom), dtype_eps=FLOAT32_EPS)
+        charged = units.scale(scales)
+        result = charge(filt, state, noise_std=sigma, l2_norms=charged)
+        assert not result.refused[0] and charged[0] <= bounds[0], (sigma, t, s)
+
+
+def test_float32_subnormals_are_flushed_before_any_multiply_and_charged_as_what_is_added() -> None:
+    """A float32 multiply with a subnormal operand was 8x slower (a review): rows of subnormals would set the
+    reply's time by who stopped. They are zeroed bitwise on entry, and products that fall subnormal after the
+    scaling too; the norm is measured after, so the charge still covers what the sum adds."""
+    tiny = np.float32(1e-40)  # subnormal in float32
+    rows = np.array([[tiny, 1.0, -tiny], [np.float32(2e-38), 3.0, 4.0], [np.inf, 1.0, tiny]], dtype=np.float32)
+    units = RowContributions(rows.copy())
+    assert units.rows[0].tolist() == [0.0, 1.0, 0.0] and units.rows[2, 2] == 0.0 and np.isinf(units.rows[2, 0])
+    norms = units.norms()
+    assert not np.isfinite(norms[2])
+    scales = np.array([1.0, 0.25, 0.0])
+    charged = units.scale(scales)  # 2e-38 x 0.25 is subnormal: flushed, with the infinity row's entries
+    assert units.rows[1, 0] == 0.0 and units.rows[1, 1:].tolist() == [0.75, 1.0] and not units.rows[2].any()
+    total = units.weighted_sum(np.ones(3))
+    assert total.tolist() == [0.0, 1.75, 1.0]
+    assert charged[0] == 1.0 and charged[1] >= np.hypot(0.75, 1.0) and charged[2] == 0.0
