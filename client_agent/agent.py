@@ -905,9 +905,12 @@ class Agent:
                 np.minimum(bounds, max(sigma * np.sqrt(cap) - slack, 0.0), out=bounds)
             # secagg: a unit whose room sigma sqrt(T - S) is at most the rounding slack cannot pay
             # for any masked input again; it stops now (it would otherwise neither take part nor stop).
-            room = sigma * np.sqrt(np.minimum(remaining(self.gaussian, fstate), remaining(qfilter, qstate))) - slack
+            full = sigma * np.sqrt(np.minimum(remaining(self.gaussian, fstate), remaining(qfilter, qstate)))
+            room = full - slack
             gone = fstate.stopped | qstate.stopped
-            starved = (room <= 0.0) & ~gone if slack else np.zeros(self.n_units, dtype=np.bool_)
+            # A room within rounding of zero (the subtraction's error is about an ulp of full) is none: a review
+            # found units whose room was 3e-17 against a slack of 1.2e-4 refused by the filter by one ulp.
+            starved = (room <= 1e-9 * full) & ~gone if slack else np.zeros(self.n_units, dtype=np.bool_)
             bounds = np.minimum(bounds, np.maximum(room, 0.0)) if slack else bounds
             if isinstance(units, StreamedGradients):
                 result, new_q, clipped_norms, total = self._fused_gaussian(
@@ -927,7 +930,8 @@ class Agent:
                 total = units.weighted_sum(result.admitted)
             record = result.release(kind=kind, round_id=request.request_id, noise_std=sigma, l2_norms=clipped_norms)
             # A starved unit stops for this federation; globally only when its global room is what starved it.
-            starved_global = starved & (sigma * np.sqrt(remaining(self.gaussian, fstate)) - slack <= 0.0)
+            global_full = sigma * np.sqrt(remaining(self.gaussian, fstate))
+            starved_global = starved & (global_full - slack <= 1e-9 * global_full)
             stopped = np.array(result.state.stopped | starved_global)
             newly = stopped & ~fstate.stopped
             new_state = replace(state, spent=np.array(result.state.spent), stopped=stopped)

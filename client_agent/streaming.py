@@ -562,6 +562,7 @@ class Contributions(Protocol):
 
 
 _EXPONENT = np.uint32(0x7F800000)
+_F32_TINY = float(np.finfo(np.float32).tiny)  # 2^-126, float32's smallest normal
 
 
 def _flush_subnormals(rows: NDArray[Any], *, keep_non_finite: bool) -> None:
@@ -608,9 +609,9 @@ class RowContributions:
     def __init__(self, rows: NDArray[np.float32], *, trainable: NDArray[np.bool_] | None = None) -> None:
         """``trainable`` (client-unit gradients and updates: the flat layout's trainable entries,
         workloads.models.trainable_mask): the frozen entries are released as exact zeros, noise included."""
-        self.rows = rows if rows.flags.writeable else rows.copy()
-        if self.rows.dtype == np.float32:
-            _flush_subnormals(self.rows, keep_non_finite=True)
+        # float32 (another dtype is converted; a float64 array read as float32 words lost its low bits, a review)
+        self.rows = rows if rows.dtype == np.float32 and rows.flags.writeable else rows.astype(np.float32)
+        _flush_subnormals(self.rows, keep_non_finite=True)
         self.n_units, self.dim = self.rows.shape
         self.norm_rel_error = 0.0 if self.dim == 1 else NORM_REL_ERROR
         self._exact: NDArray[np.bool_] | None = None  # rows whose measured norm is exact (set by norms())
@@ -652,20 +653,28 @@ class RowContributions:
         """Scale every row in place by its factor and return the norms to charge: the scaled rows' float64
         norms times (1 + :attr:`norm_rel_error`), at least the exact norms of what the sum adds.
 
-        Every row is multiplied, a factor of 1 included (exact in float32), and every non-finite entry
-        is zeroed bitwise: a non-finite row carries the factor 0, so it ends as the zero row
-        (0 * inf is NaN, then 0). Rows with finite values and a factor in [0, 1] stay finite.
+        Every row is multiplied, a factor of 1 included, in float64: the rows hold no float32 subnormal, and a
+        factor below float32's smallest normal is 0 (the row is then the null element and pays 0), so every
+        nonzero product is at least 2^-252, normal in float64. Products below float32's smallest normal and
+        non-finite ones (a non-finite row carries the factor 0: 0 * inf is NaN) are zeroed bitwise before the
+        cast back to float32, so no float32 subnormal is an operand or a result anywhere (a review: a multiply
+        in float32 that made subnormals took 3.4x as long, and a stopped row's factor 0 did not, so the time
+        counted who stopped; a float32 factor rounded from a float64 one below 2^-126 charged a row up to 1.4x
+        its bound). The norm is measured after, from the float32 values the sum adds.
         """
         rows = self.rows
-        factors = scales.astype(np.float32)[:, None]
+        factors = np.asarray(scales, dtype=np.float64)
+        factors = or_zero(factors >= _F32_TINY, factors)[:, None]
         out = np.empty(len(rows), dtype=np.float64)
         for start in range(0, len(rows), _BLOCK_ROWS):
             block = rows[start : start + _BLOCK_ROWS]
-            with np.errstate(invalid="ignore", over="ignore", under="ignore"):  # no warning for some rows only
-                np.multiply(block, factors[start : start + _BLOCK_ROWS], out=block)
-            # Non-finite entries, and products that fell subnormal, become 0 bitwise (np.nan_to_num copies
-            # through masks: its time grew with them; a subnormal operand slows the next multiply).
-            _flush_subnormals(block, keep_non_finite=False)
+            with np.errstate(invalid="ignore"):  # 0 * inf: zeroed below, and no warning for some rows only
+                products = block.astype(np.float64) * factors[start : start + _BLOCK_ROWS]
+            bits = products.view(np.uint64)
+            exponent = (bits >> np.uint64(52)) & np.uint64(0x7FF)
+            keep = (exponent >= np.uint64(1023 - 126)) & (exponent != np.uint64(0x7FF))
+            bits &= np.negative(keep.astype(np.uint64))  # all ones where kept, zero elsewhere
+            block[...] = products
             out[start : start + _BLOCK_ROWS] = np.linalg.norm(block.astype(np.float64), axis=1)
         # An exact row left as it is keeps its exact norm; a scaled row's norm carries the rounding margin.
         exact = self._exact if self._exact is not None else np.zeros(self.n_units, dtype=np.bool_)

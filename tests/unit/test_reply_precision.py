@@ -273,3 +273,27 @@ def test_float32_subnormals_are_flushed_before_any_multiply_and_charged_as_what_
     total = units.weighted_sum(np.ones(3))
     assert total.tolist() == [0.0, 1.75, 1.0]
     assert charged[0] == 1.0 and charged[1] >= np.hypot(0.75, 1.0) and charged[2] == 0.0
+
+
+def test_a_tiny_scale_factor_never_charges_a_row_above_its_bound() -> None:
+    """A row of huge values at a small clip: its scale is below float32's smallest normal. Rounded to a float32
+    factor it was a subnormal, up to 1.4x the float64 one, and the row was charged 1.4x its bound (a review).
+    The multiply is in float64 now, and such a factor is 0: the row is the null element and pays 0."""
+    for d, clip in ((1, 3e-7), (4096, 1.0)):
+        rows = np.full((1, d), 3e38, dtype=np.float32)
+        units = RowContributions(rows)
+        norms = units.norms()
+        bounds = np.array([clip])
+        scales = clip_scales(norms, bounds / units.clip_margins(norms, bounds, bounds), dtype_eps=FLOAT32_EPS)
+        charged = units.scale(scales)
+        assert charged[0] <= clip and not units.rows.any()  # below 2^-126: the null element, charged 0
+    units = RowContributions(np.array([[2.0**-100, 1.0]], dtype=np.float32))
+    charged = units.scale(np.array([2.0**-30]))  # a normal factor whose products fall below 2^-126: zeroed
+    assert units.rows.tolist() == [[0.0, 2.0**-30]] and charged[0] >= 2.0**-30
+
+
+def test_a_float64_array_is_taken_as_its_float32_values() -> None:
+    """Rows are float32; a float64 array (a test's, a caller's) is converted, not read as float32 words."""
+    units = RowContributions(np.array([[1.0 + 2.0**-41, 0.5]]))
+    assert units.rows.dtype == np.float32 and units.rows.tolist() == [[1.0, 0.5]]
+    assert units.scale(np.array([0.5]))[0] >= np.hypot(0.5, 0.25)
