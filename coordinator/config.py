@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from coordinator.analysts import ANALYSTS
@@ -91,6 +93,13 @@ class CoordinatorConfig:
     # Central-trust noise and the SVT's noise come from OS entropy. A fixed seed makes them
     # reproducible by anyone who knows it, which undoes the privacy: simulations and tests only.
     noise_seed: int | None = None
+    # The coordinator session (privacy.md §8, "One session per run id"): 16 hex digits drawn from OS entropy
+    # when an unseeded central-trust run starts (coordinator.rounds.run), never from the run config. Every
+    # request names the run as `wire_run_id`, so no two such runs share a request id: a run started again under
+    # the same run_id cannot have a sum the clients stored replayed to it and noised afresh (two releases
+    # charged once), nor go on with the one sparse vector the clients reserved. In local and secagg trust the
+    # clients add the noise, so a replayed reply is the release already made, and ids stay as configured.
+    session: str = ""
     # secagg trust (coordinator/secagg.py): m, the fewest clients a sum may hold (0: max(2, ceil(2n/3)) of the
     # enrolled clients), and the fixed-point scale 2^k of the encoded inputs.
     secagg_min_clients: int = 0
@@ -149,6 +158,12 @@ class CoordinatorConfig:
         if not isinstance(self.run_id, str) or not self.run_id or "|" in self.run_id or len(self.run_id) > 160:
             raise CoordinatorConfigError(
                 f"run_id: expected a non-empty string of at most 160 characters without '|', got {self.run_id!r:.200}"
+            )
+        if not isinstance(self.session, str) or (self.session and not re.fullmatch(r"[0-9a-f]{16}", self.session)):
+            raise CoordinatorConfigError(f"session: expected '' or 16 hex digits, got {self.session!r:.40}")
+        if self.session and (self.noise_seed is not None or self.trust != "central"):
+            raise CoordinatorConfigError(
+                "session: only an unseeded central-trust run has one (the coordinator's noise is fresh only there)"
             )
         if not isinstance(self.progress, bool):
             raise CoordinatorConfigError(f"progress: expected true or false, got {self.progress!r}")
@@ -294,13 +309,25 @@ class CoordinatorConfig:
         return load_workload(self.workload)
 
     @property
+    def wire_run_id(self) -> str:
+        """The run as its requests name it: ``run_id``, and ``#<session>`` in a run with one (at most 177
+        characters, so every request id stays within the wire's 256)."""
+        return f"{self.run_id}#{self.session}" if self.session else self.run_id
+
+    def in_session(self) -> CoordinatorConfig:
+        """This configuration with a fresh session drawn from OS entropy: an unseeded central-trust run's, once."""
+        if self.noise_seed is not None or self.trust != "central" or self.session:
+            return self
+        return replace(self, session=secrets.token_hex(8))
+
+    @property
     def canonical_model_args(self) -> str:
         return json.dumps(json.loads(self.model_args), sort_keys=True)
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> CoordinatorConfig:
         """From Flower's run config: keys with dashes; ``noise-seed`` < 0 means none (TOML has no null)."""
-        known = {f.replace("_", "-"): f for f in cls.__dataclass_fields__}
+        known = {f.replace("_", "-"): f for f in cls.__dataclass_fields__ if f != "session"}  # drawn, never set
         unknown = sorted(set(run_config) - set(known))
         if unknown:
             raise CoordinatorConfigError(f"run config: unknown keys {unknown}; expected keys among {sorted(known)}")

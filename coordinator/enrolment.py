@@ -129,7 +129,7 @@ def _statuses(
     nodes = transport.node_ids(cfg.num_nodes, timeout=cfg.enrol_timeout)
     # A run that sends a model asks each client for that model's parameter layout as its workload builds it.
     named = (cfg.model, cfg.canonical_model_args) if needs.model else (None, None)
-    status_request = wire.StatusRequest(f"{cfg.run_id}:status", cfg.run_id, 0, *named)
+    status_request = wire.StatusRequest(f"{cfg.wire_run_id}:status", cfg.wire_run_id, 0, *named)
     payloads = {node: wire.encode_request(status_request) for node in nodes}
     got = transport.send(wire.STATUS, payloads, timeout=cfg.round_timeout)
     excluded: Counter[str] = Counter(got.errors)

@@ -67,7 +67,7 @@ def monitor_request(
     cfg: CoordinatorConfig, rnd: int, secagg: wire.SecaggInput | None = None, noise_std: float | None = None
 ) -> wire.MonitorRequest:
     """Round ``rnd``'s monitor request; secagg: with the session's node noise std (the one every client reserved)."""
-    return wire.MonitorRequest(f"{cfg.run_id}:monitor:r{rnd}", cfg.run_id, rnd, cfg.trust, secagg, noise_std)
+    return wire.MonitorRequest(f"{cfg.wire_run_id}:monitor:r{rnd}", cfg.wire_run_id, rnd, cfg.trust, secagg, noise_std)
 
 
 def request_noise_std(request: wire.Request) -> float:

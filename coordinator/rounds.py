@@ -59,6 +59,7 @@ def run(
 ) -> dict[str, Any]:
     """Run the configured task to its stop; returns the summary (also written to ``output_dir``)."""
     started = time.monotonic()
+    cfg = cfg.in_session()  # unseeded: a session of its own, so no request id of an earlier run is reused
     rng = noise_rng(cfg)
     task = TASKS[cfg.task].build(cfg, analyst=analyst, evaluate=evaluate)  # first: a bad model fails before enrolment
     snapshot = load_snapshot(cfg) if cfg.resume else None
@@ -127,7 +128,7 @@ def run(
     summary.update(task.summarise(logs, writer, enrolment))
     writer.summary(summary)
     progress.finish(
-        f"run {cfg.run_id}: {len(logs)} rounds, stopped because {stopped_because}; "
+        f"run {cfg.wire_run_id}: {len(logs)} rounds, stopped because {stopped_because}; "
         f"({enrolment.privacy['epsilon']:g}, {enrolment.privacy['delta']:g})-DP per {cfg.unit}"
     )
     summary.update(task.result())
@@ -180,6 +181,7 @@ def _summary(
     """The fields of ``summary.json`` every task shares (each task adds its own)."""
     return {
         "run_id": cfg.run_id,
+        "wire_run_id": cfg.wire_run_id,  # the run as the clients' ledgers and audit logs name it
         "task": cfg.task,
         "privacy": enrolment.privacy,
         "rounds_completed": len(logs),

@@ -304,7 +304,7 @@ class SecaggRelease:
     def _session(self, ask: Ask, noise_std: float) -> SecaggRound:
         return secagg_release(
             self.transport,
-            run_id=self.cfg.run_id,
+            run_id=self.cfg.wire_run_id,
             rnd=ask.rnd,
             purpose=ask.purpose,
             nodes=self.nodes,

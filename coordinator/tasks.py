@@ -160,8 +160,8 @@ def common_fields(cfg: CoordinatorConfig, purpose: str, rnd: int) -> dict[str, A
     keeps its own ledger, so the id need not be unique across clients.
     """
     return {
-        "request_id": f"{cfg.run_id}:{purpose}:r{rnd}",
-        "run_id": cfg.run_id,
+        "request_id": f"{cfg.wire_run_id}:{purpose}:r{rnd}",
+        "run_id": cfg.wire_run_id,
         "round": rnd,
         "noise_std": cfg.noise_std,
         "l2_clip": cfg.l2_clip,
