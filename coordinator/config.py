@@ -93,12 +93,13 @@ class CoordinatorConfig:
     # Central-trust noise and the SVT's noise come from OS entropy. A fixed seed makes them
     # reproducible by anyone who knows it, which undoes the privacy: simulations and tests only.
     noise_seed: int | None = None
-    # The coordinator session (privacy.md §8, "One session per run id"): 16 hex digits drawn from OS entropy
-    # when an unseeded central-trust run starts (coordinator.rounds.run), never from the run config. Every
-    # request names the run as `wire_run_id`, so no two such runs share a request id: a run started again under
-    # the same run_id cannot have a sum the clients stored replayed to it and noised afresh (two releases
-    # charged once), nor go on with the one sparse vector the clients reserved. In local and secagg trust the
-    # clients add the noise, so a replayed reply is the release already made, and ids stay as configured.
+    # The coordinator session (privacy.md §9, "One session per run id"): 16 hex digits drawn from OS entropy
+    # when a central-trust run starts (coordinator.rounds.run; a resumed run takes its snapshot's), never from
+    # the run config. Every request names the run as `wire_run_id`, so no two such runs share a request id: a
+    # run started again under the same run_id, seeded or not, cannot have a sum the clients stored replayed to
+    # it and noised afresh (two releases charged once), nor go on with the one sparse vector the clients
+    # reserved. In local and secagg trust the clients add the noise, so a replayed reply is the release
+    # already made, and ids stay as configured (a seeded client mixes the id into its noise).
     session: str = ""
     # secagg trust (coordinator/secagg.py): m, the fewest clients a sum may hold (0: max(2, ceil(2n/3)) of the
     # enrolled clients), and the fixed-point scale 2^k of the encoded inputs.
@@ -155,15 +156,18 @@ class CoordinatorConfig:
         if self.task == "indicator" and self.analyst not in ANALYSTS:
             raise CoordinatorConfigError(f"analyst: expected one of {tuple(ANALYSTS)}, got {self.analyst!r}")
         # Request ids are '<run_id>:<purpose>[:<step>]:r<round>' (at most 256 characters, no '|', protocol/messages.py).
-        if not isinstance(self.run_id, str) or not self.run_id or "|" in self.run_id or len(self.run_id) > 160:
+        # '#' starts the session (wire_run_id): a run_id holding one could name another run's session.
+        run_id = self.run_id
+        if not isinstance(run_id, str) or not run_id or len(run_id) > 160 or "|" in run_id or "#" in run_id:
             raise CoordinatorConfigError(
-                f"run_id: expected a non-empty string of at most 160 characters without '|', got {self.run_id!r:.200}"
+                "run_id: expected a non-empty string of at most 160 characters without '|' or '#', got "
+                f"{self.run_id!r:.200}"
             )
         if not isinstance(self.session, str) or (self.session and not re.fullmatch(r"[0-9a-f]{16}", self.session)):
             raise CoordinatorConfigError(f"session: expected '' or 16 hex digits, got {self.session!r:.40}")
-        if self.session and (self.noise_seed is not None or self.trust != "central"):
+        if self.session and self.trust != "central":
             raise CoordinatorConfigError(
-                "session: only an unseeded central-trust run has one (the coordinator's noise is fresh only there)"
+                "session: only a central-trust run has one (elsewhere the clients' stored replies hold their noise)"
             )
         if not isinstance(self.progress, bool):
             raise CoordinatorConfigError(f"progress: expected true or false, got {self.progress!r}")
@@ -315,8 +319,9 @@ class CoordinatorConfig:
         return f"{self.run_id}#{self.session}" if self.session else self.run_id
 
     def in_session(self) -> CoordinatorConfig:
-        """This configuration with a fresh session drawn from OS entropy: an unseeded central-trust run's, once."""
-        if self.noise_seed is not None or self.trust != "central" or self.session:
+        """This configuration with a fresh session drawn from OS entropy: a central-trust run's, once. Seeded
+        runs too: a seed replays the coordinator's noise only for the same settings and the same replies."""
+        if self.trust != "central" or self.session:
             return self
         return replace(self, session=secrets.token_hex(8))
 

@@ -21,7 +21,10 @@ The resumed run must be the run that would have happened (privacy.md §9, "Resum
   fingerprint of every release (``checkpoints/releases.jsonl``: replies, errors, noise variance, four
   fixed random projections of the noisy sum) and stops a resumed run, before a release is used, when one
   differs from the stopped process's release of the same round and purpose (:class:`ResumeDriftError`).
-  A snapshot also holds a digest of the run's settings; a run with other settings may not resume it.
+  A snapshot also holds a digest of the run's settings; a run with other settings may not resume it. The
+  fingerprints are the snapshot's folder's: a run resumes only there, and only with fingerprints up to the
+  snapshot's round. A central-trust run's session (its request ids' ``#<session>``) is in the snapshot too,
+  so the resumed run asks the same ids.
 - Only simulations with ``noise_seed`` may snapshot: the generator's state lets anyone who reads it
   compute the run's future noise, which the seed already does; a run with noise from OS entropy
   never writes it (coordinator/config.py refuses the combination). Nor may a run with a monitor
@@ -61,7 +64,8 @@ _PROJECTIONS = 4
 
 
 class ResumeDriftError(RuntimeError):
-    """A resumed run's release differs from the stopped process's release of the same round and purpose."""
+    """A resumed run's release differs from the stopped process's release of the same round and purpose, or
+    cannot be checked against it (the fingerprints are missing)."""
 
 
 def settings_digest(cfg: CoordinatorConfig) -> str:
@@ -87,6 +91,7 @@ class Snapshot:
     errors_total: dict[str, int]
     task_state: dict[str, Any]
     task_arrays: dict[str, np.ndarray]
+    session: str = ""  # the run's session (CoordinatorConfig.session); "" in a snapshot written before sessions
 
     def round_logs(self) -> list[RoundLog]:
         return [RoundLog(**line) for line in self.logs]
@@ -107,6 +112,7 @@ def save_snapshot(
         "format": FORMAT,
         "round": rnd,
         "run_id": cfg.run_id,
+        "session": cfg.session,
         "settings": settings_digest(cfg),
         "rng": rng.bit_generator.state,
         "logs": [asdict(log) for log in logs],
@@ -141,13 +147,27 @@ def load_snapshot(cfg: CoordinatorConfig) -> Snapshot:
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         raise CoordinatorConfigError(f"resume: cannot read the snapshot {path}: {exc}") from exc
     expected = {"format", "round", "run_id", "settings", "rng", "logs", "errors_total", "task"}
-    if not isinstance(meta, dict) or set(meta) != expected or meta["format"] != FORMAT:
+    # 'session' from 2026-11-27 on; a snapshot written before has none, and its run named its requests run_id.
+    if not isinstance(meta, dict) or set(meta) - {"session"} != expected or meta["format"] != FORMAT:
         found = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
         raise CoordinatorConfigError(
             f"resume: expected a format-{FORMAT} snapshot with {sorted(expected)}, found {found}"
         )
     if meta["run_id"] != run_id:
         raise CoordinatorConfigError(f"resume: the snapshot is run {meta['run_id']!r}'s, not {run_id!r}'s")
+    session = meta.get("session", "")
+    if not isinstance(session, str) or (session and cfg.trust != "central"):
+        raise CoordinatorConfigError(
+            f"resume: expected the snapshot's session as text, and only in central trust; found {session!r:.40}"
+        )
+    # The stopped process's release fingerprints sit beside the snapshot; resumed into another folder, the run
+    # would find none to compare and could add the same noise to another sum (ReleaseGuard).
+    own = (Path(cfg.output_dir) / "checkpoints").resolve()
+    if Path(path).resolve().parent != own:
+        raise CoordinatorConfigError(
+            f"resume: expected the snapshot in this run's own folder ({own}), found {Path(path).resolve()}: a run "
+            "goes on in the folder that holds its release fingerprints"
+        )
     if meta["settings"] != settings_digest(cfg):
         raise CoordinatorConfigError(
             "resume: the snapshot was made with other settings than this run's (model, data size, noise, clip, "
@@ -166,7 +186,7 @@ def load_snapshot(cfg: CoordinatorConfig) -> Snapshot:
     if not logged or logged != list(range(rnd - len(logged) + 1, rnd + 1)):  # from 1, or a branch's first round
         raise CoordinatorConfigError(f"resume: expected the snapshot to log consecutive rounds up to {rnd}")
     return Snapshot(
-        rnd, run_id, meta["rng"], meta["settings"], meta["logs"], meta["errors_total"], meta["task"], arrays
+        rnd, run_id, meta["rng"], meta["settings"], meta["logs"], meta["errors_total"], meta["task"], arrays, session
     )
 
 
@@ -182,16 +202,24 @@ class ReleaseGuard:
         # this process makes them again must not forget them) and compared when made again.
         self.before: dict[tuple[int, str], dict[str, Any]] = {}
         kept: list[str] = []
-        if snapshot is not None and self.path.exists():
-            for line in self.path.read_text().splitlines():
+        if snapshot is not None:
+            last = 0
+            for line in self.path.read_text().splitlines() if self.path.exists() else []:
                 try:
                     entry = json.loads(line)
                     key = (int(entry["round"]), str(entry["purpose"]))
                 except (ValueError, KeyError, TypeError):
                     continue  # a line cut short by the stop: that release was never used
                 kept.append(line)
+                last = max(last, key[0])
                 if key[0] > snapshot.round:
                     self.before[key] = entry
+            if last < snapshot.round:  # every release is fingerprinted before use, so the file reaches the snapshot
+                raise ResumeDriftError(
+                    f"resume: expected the release fingerprints of rounds up to {snapshot.round} in {self.path}, "
+                    f"found {'none' if not last else f'rounds up to {last}'}; without them a release made again "
+                    "cannot be checked. Start the run again from round 1 in a new folder"
+                )
         self.path.write_text("".join(k + "\n" for k in kept))
         self._directions: dict[int, np.ndarray] = {}
 

@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, TextIO
 
 import numpy as np
@@ -59,10 +59,12 @@ def run(
 ) -> dict[str, Any]:
     """Run the configured task to its stop; returns the summary (also written to ``output_dir``)."""
     started = time.monotonic()
-    cfg = cfg.in_session()  # unseeded: a session of its own, so no request id of an earlier run is reused
-    rng = noise_rng(cfg)
-    task = TASKS[cfg.task].build(cfg, analyst=analyst, evaluate=evaluate)  # first: a bad model fails before enrolment
     snapshot = load_snapshot(cfg) if cfg.resume else None
+    # Central trust: a session of its own (a resumed run: its snapshot's), so no request id of another run is
+    # reused: a stored exact sum is noised once, or again with the same noise by the run that resumes it.
+    cfg = replace(cfg, session=snapshot.session) if snapshot is not None else cfg.in_session()
+    rng = noise_rng(cfg)
+    task = TASKS[cfg.task].build(cfg, analyst=analyst, evaluate=evaluate)  # before enrolment: a bad model fails first
     if snapshot is not None:
         assert isinstance(task, GradientTask)  # config: resume takes the gradient task
         task.restore(snapshot.task_state, snapshot.task_arrays)

@@ -38,7 +38,13 @@ def spent(per: dict[int, dict]) -> np.ndarray:
     return np.concatenate(out)
 
 
-def test_a_central_run_started_again_under_its_run_id_is_charged_again_not_replayed(tmp_path: Path) -> None:
+# Unseeded (the deployment's default); seeded with two seeds (fresh noise on a replayed sum, as unseeded); one seed
+# twice (the same noise only while the settings and every reply are the same: a reply lost in the first run, or
+# a plateau check added, and the two releases' difference is exact data; a second review, 2026-11-27).
+@pytest.mark.parametrize("seeds", [(None, None), (1, 2), (3, 3)])
+def test_a_central_run_started_again_under_its_run_id_is_charged_again_not_replayed(
+    tmp_path: Path, seeds: tuple[int | None, int | None]
+) -> None:
     parts = [client_data(RECORDS, 3, seed=i) for i in range(CLIENTS)]
     per = write_clients(
         tmp_path, parts, epsilon=4.0, delta=1e-5, unit="record", trust="central", policy_max_request_share=1.0
@@ -55,10 +61,10 @@ def test_a_central_run_started_again_under_its_run_id_is_charged_again_not_repla
         progress=False,
     )
     assert cfg.run_id == "run" and cfg.noise_seed is None and cfg.session == ""
-    first = run(InProcessTransport(per), cfg)
+    first = run(InProcessTransport(per), replace(cfg, noise_seed=seeds[0]))
     after_first = spent(per)
     assert after_first.min() > 0  # every record paid for round 1
-    second = run(InProcessTransport(per), cfg)  # the same configuration, the same initial model
+    second = run(InProcessTransport(per), replace(cfg, noise_seed=seeds[1]))  # the same initial model
     after_second = spent(per)
     # Round 1 asked again from the same model: answered afresh and charged again (before: replayed, uncharged,
     # and noised afresh by the coordinator, so the two published models cost twice what the ledgers hold).
@@ -72,8 +78,9 @@ def test_a_central_run_started_again_under_its_run_id_is_charged_again_not_repla
         assert {i.split(":", 1)[0] for i in ids} == {first["wire_run_id"], second["wire_run_id"]}
 
 
-def test_a_second_unseeded_run_cannot_go_on_with_the_reserved_sparse_vector(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("seeds", [(None, None), (1, 2)])
+def test_a_second_run_cannot_go_on_with_the_reserved_sparse_vector(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, seeds: tuple[int | None, int | None]
 ) -> None:
     per = write_clients(
         tmp_path,
@@ -102,9 +109,9 @@ def test_a_second_unseeded_run_cannot_go_on_with_the_reserved_sparse_vector(
         monitor_epsilon=1.0,
         progress=False,
     )
-    first = run(InProcessTransport(per), replace(cfg, rounds=2))
+    first = run(InProcessTransport(per), replace(cfg, rounds=2, noise_seed=seeds[0]))
     assert [log["errors"] for log in first["rounds"]] == [{}, {}]  # the first run owns the sparse vector
-    second = run(InProcessTransport(per), cfg)
+    second = run(InProcessTransport(per), replace(cfg, noise_seed=seeds[1]))
     # Fresh request ids, so nothing is replayed to the second run's fresh threshold noise; its rounds 1-2 were
     # reported to the first run (once each), and from round 3 on every client refuses it: the one reserved sparse
     # vector is the first session's (before: rounds 3 on got fresh exact counts, a second SVT on one reservation).
@@ -119,12 +126,16 @@ def test_a_session_is_drawn_never_configured() -> None:
         CoordinatorConfig.from_run_config({k.replace("_", "-"): v for k, v in base.items()} | {"session": "0" * 16})
     with pytest.raises(CoordinatorConfigError, match="expected '' or 16 hex digits"):
         CoordinatorConfig(**base, session="not-hex")
-    for other in ({"noise_seed": 1}, {"trust": "local"}, {"trust": "secagg"}):
-        with pytest.raises(CoordinatorConfigError, match="only an unseeded central-trust run has one"):
+    for other in ({"trust": "local"}, {"trust": "secagg"}):
+        with pytest.raises(CoordinatorConfigError, match="only a central-trust run has one"):
             CoordinatorConfig(**(base | other), session="0" * 16)
-        # A seeded run replays as seeded; in local and secagg trust a replayed reply is the release already made.
+        # In local and secagg trust a replayed reply is the release already made (its noise is in it).
         plain = CoordinatorConfig(**(base | other))
         assert plain.in_session() is plain and plain.wire_run_id == "run"
+    # A seeded central run has one too: a seed gives the same noise only for the same settings and replies.
+    assert len(CoordinatorConfig(**base, noise_seed=1).in_session().session) == 16
+    with pytest.raises(CoordinatorConfigError, match=r"without '\|' or '#'"):
+        CoordinatorConfig(**(base | {"run_id": "run#0123456789abcdef"}))  # another run's wire_run_id
     drawn = CoordinatorConfig(**base).in_session()
     assert len(drawn.session) == 16 and drawn.wire_run_id == f"run#{drawn.session}"
     assert drawn.in_session() is drawn and CoordinatorConfig(**base).in_session().session != drawn.session

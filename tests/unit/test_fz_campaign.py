@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,11 @@ def all_tuned(accuracy: float = 0.9) -> list[dict[str, Any]]:
 
 
 # --- the job list ---------------------------------------------------------------------------------
+
+
+def sessionless(request_id: str) -> str:
+    """A request id without its run's session ('<run_id>#<16 hex>:...' -> '<run_id>:...'; config.wire_run_id)."""
+    return re.sub(r"#[0-9a-f]{16}:", ":", request_id, count=1)
 
 
 def test_jobs_run_in_the_issues_order() -> None:
@@ -375,9 +381,15 @@ def test_gdp_branches_from_the_gd_step_with_the_prefix_charged_in_its_own_ledger
         with Ledger.open_existing(tmp_path / "alone" / "ledgers" / f"client{pid}.sqlite") as ledger:
             scratch = list(ledger.releases())
         ids = [rid for rid, _, _ in releases]
-        # The prefix under the Rényi run's request ids, then the branch from round 3 under its own.
-        assert ids[:2] == [f"fz-0.3-suboptimal-renyi-2:gradient:r{r}" for r in (1, 2)]
-        assert ids[2] == "fz-0.3-suboptimal-gdp-2:gradient:r3"
+        # The prefix under the Rényi run's request ids, then the branch from round 3 under its own (each run
+        # in a session of its own: '<run_id>#<16 hex>', coordinator/config.py wire_run_id).
+        with Ledger.open_existing(tmp_path / "renyi" / "ledgers" / f"client{pid}.sqlite") as ledger:
+            assert ids[:2] == [rid for rid, _, _ in ledger.releases()][:2]
+        assert [sessionless(rid) for rid in ids[:3]] == [
+            "fz-0.3-suboptimal-renyi-2:gradient:r1",
+            "fz-0.3-suboptimal-renyi-2:gradient:r2",
+            "fz-0.3-suboptimal-gdp-2:gradient:r3",
+        ]
         # The prefix charges exactly what a GDP run from round 1 charged for the same two steps.
         for (_, _, got), (_, _, want) in zip(releases[:2], scratch[:2], strict=True):
             np.testing.assert_array_equal(got["l2_norms"], want["l2_norms"])
@@ -485,7 +497,10 @@ def test_a_job_stopped_mid_run_goes_on_from_its_snapshot_to_the_same_rows(
     for pid in range(fz.CLIENTS):
         with Ledger.open_existing(out / "ledgers" / f"client{pid}.sqlite") as a:
             with Ledger.open_existing(tmp_path / "whole" / "ledgers" / f"client{pid}.sqlite") as b:
-                assert [rid for rid, _, _ in a.releases()] == [rid for rid, _, _ in b.releases()]
+                # the same releases, each run under its own session ('<run_id>#<16 hex>:...')
+                assert [sessionless(rid) for rid, _, _ in a.releases()] == [
+                    sessionless(rid) for rid, _, _ in b.releases()
+                ]
                 np.testing.assert_array_equal(a.state()["spent"], b.state()["spent"])
 
 

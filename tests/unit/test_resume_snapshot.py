@@ -104,9 +104,12 @@ def test_a_stopped_run_resumed_from_its_snapshot_is_the_uninterrupted_run(tmp_pa
     lines = (out / "rounds.jsonl").read_text().splitlines()
     assert len(lines) == STOP_AFTER - 1  # round 5 was answered and charged, never logged
     releases_before = {rid for rids, _ in _spends(per) for rid in rids}
-    assert "resume:gradient:r5" in releases_before  # the clients paid for round 5 before the stop
 
     resumed = run(InProcessTransport(per), _config(out, snapshot_every=SNAP_EVERY, resume=str(snapshot)))
+    # The clients paid for round 5 before the stop, under the session the resumed run goes on with (its snapshot's).
+    wire = resumed["wire_run_id"]
+    assert wire.startswith("resume#") and f"{wire}:gradient:r5" in releases_before
+    assert whole["wire_run_id"] != wire  # another run, another session
 
     assert resumed["rounds_completed"] == whole["rounds_completed"] == ROUNDS
     np.testing.assert_array_equal(resumed["parameters"], whole["parameters"])
@@ -121,7 +124,8 @@ def test_a_stopped_run_resumed_from_its_snapshot_is_the_uninterrupted_run(tmp_pa
     assert rounds_file == list(range(1, ROUNDS + 1))
     # each release charged once: the same release ids and the same spend as the uninterrupted run's ledgers
     for (rids, spent), (whole_rids, whole_spent) in zip(_spends(per), _spends(whole_clients), strict=True):
-        assert rids == whole_rids
+        assert all(r.startswith(f"{wire}:") for r in rids)
+        assert [r.split(":", 1)[1] for r in rids] == [r.split(":", 1)[1] for r in whole_rids]
         np.testing.assert_array_equal(spent, whole_spent)
     assert any(np.any(s > 0) for _, s in _spends(per))
 
@@ -191,6 +195,35 @@ def test_a_resumed_release_that_differs_from_the_stopped_ones_is_refused_before_
         )
     # round 4 was made again alike; nothing of round 5's differing release was used or logged
     assert [json.loads(line)["round"] for line in (out / "rounds.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_resume_without_the_stopped_runs_fingerprints_is_refused(tmp_path: Path) -> None:
+    """The same lost reply as above, resumed where the guard has nothing to compare (a hostile review,
+    2026-11-27): into another output_dir (the fingerprints stay beside the snapshot), or with the fingerprint
+    file gone or cut short. Either would add round 5's restored noise to a sum that now holds the lost answer,
+    and the two releases' difference would be that client's exact sum. Refused before any request is charged."""
+    from coordinator.resume import ResumeDriftError
+
+    per = _clients(tmp_path / "clients")
+    out = tmp_path / "run"
+    with pytest.raises(Stopped):
+        run(LosesAReply(per, STOP_AFTER + 1, lost=STOP_AFTER), _config(out, snapshot_every=SNAP_EVERY))
+    before = _spends(per)
+    snapshot = str(out / "checkpoints" / "snapshot.npz")
+    with pytest.raises(CoordinatorConfigError, match="expected the snapshot in this run's own folder"):
+        run(InProcessTransport(per), _config(tmp_path / "elsewhere", snapshot_every=SNAP_EVERY, resume=snapshot))
+    fingerprints = out / "checkpoints" / "releases.jsonl"
+    lines = fingerprints.read_text().splitlines(keepends=True)
+    for kept, found in (([], "none"), (lines[:2], "rounds up to 2")):  # the snapshot is round 3's
+        fingerprints.write_text("".join(kept))
+        with pytest.raises(ResumeDriftError, match=f"rounds up to 3 in .*, found {found}"):
+            run(InProcessTransport(per), _config(out, snapshot_every=SNAP_EVERY, resume=snapshot))
+    fingerprints.unlink()
+    with pytest.raises(ResumeDriftError, match="found none"):
+        run(InProcessTransport(per), _config(out, snapshot_every=SNAP_EVERY, resume=snapshot))
+    for (rids, spent), (was_rids, was_spent) in zip(_spends(per), before, strict=True):
+        assert rids == was_rids
+        np.testing.assert_array_equal(spent, was_spent)
 
 
 def test_a_run_with_other_settings_may_not_resume_a_snapshot(tmp_path: Path) -> None:
