@@ -433,6 +433,8 @@ class Agent:
                 "model": request.model,
                 "fingerprint": model_layout(owner, request.model, request.model_args),
             }
+        if request is not None:  # one ledger behind two node ids is enrolled once (privacy.md §8)
+            description["ledger_tag"] = self.ledger.run_tag(fed.name, request.run_id)
         return json.dumps(description, sort_keys=True)
 
     # -- policy -----------------------------------------------------------------------

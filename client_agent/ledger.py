@@ -502,6 +502,14 @@ class Ledger:
         """Where the ledger file lives."""
         return self._path
 
+    def run_tag(self, federation: str, run_id: str) -> str:
+        """This ledger's tag in one run (32 hex digits): the same for every node id answered from this file, and
+        unlinkable across runs (a hash of the ledger's id and file identity with the federation and run id; no
+        data, no spend). Enrolment drops a second node with the tag of one it already has (privacy.md §8)."""
+        st = os.stat(self._path)
+        text = f"fedfilter-ledger-run-tag|{self._ledger_id}|{st.st_dev}:{st.st_ino}|{federation}|{run_id}"
+        return _sha256(text.encode())[:32]
+
     @property
     def config(self) -> LedgerConfig:
         """The configuration fixed when the ledger was created."""

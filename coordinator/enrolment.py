@@ -136,12 +136,20 @@ def _statuses(
     if got.missing:
         excluded["missing"] += got.missing
     statuses: dict[int, ClientStatus] = {}
+    tags: set[str] = set()
     for node, (config, arrays) in got.replies.items():
         try:
             status = ClientStatus.from_json(wire.StatusReply.decode(config, arrays).description)
         except wire.ProtocolError:
             excluded["malformed-status"] += 1
             continue
+        if status.ledger_tag is not None:
+            # privacy.md §8: a second node answered from a ledger already enrolled would replay its stored
+            # reply, uncharged, into the same sum: in central trust one exact sum counted twice under one noise.
+            if status.ledger_tag in tags:
+                excluded["duplicate-ledger"] += 1
+                continue
+            tags.add(status.ledger_tag)
         if status.ledger.filter == "realisation" and status.ledger.unit == "record":
             # privacy.md §6: a client's records share one noise draw, so the realised loss one record's
             # filter reads depends on the other records' data; their stopping times leak it. Not private.

@@ -64,6 +64,7 @@ class ClientStatus:
     workload: WorkloadTerms | None  # None: an agent from before workloads (its per-request checks still refuse)
     layout_fingerprint: str | None  # the run model's parameter layout as the client's workload builds it
     min_secagg_clients: int  # the client's policy floor on m, the fewest inputs a secagg sum may hold
+    ledger_tag: str | None = None  # the ledger's tag in this run (Ledger.run_tag); None: an agent from before tags
 
     @classmethod
     def from_json(cls, description: str) -> ClientStatus:
@@ -82,7 +83,10 @@ class ClientStatus:
             raise wire.ProtocolError(
                 f"status reply: policy 'min_secagg_clients' must be an integer >= 2, got {floor!r:.80}"
             )
-        return cls(ledger, workload, layout.get("fingerprint"), floor)
+        tag = status.get("ledger_tag")
+        if tag is not None and not (isinstance(tag, str) and len(tag) == 32 and set(tag) <= set("0123456789abcdef")):
+            raise wire.ProtocolError(f"status reply: 'ledger_tag' must be 32 hex digits, got {tag!r:.80}")
+        return cls(ledger, workload, layout.get("fingerprint"), floor, tag)
 
 
 def _ledger(ledger: Any) -> LedgerTerms:

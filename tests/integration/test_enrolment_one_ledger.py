@@ -1,0 +1,88 @@
+"""One ledger behind two node ids is enrolled once (privacy.md §8).
+
+A second node answered from a ledger already enrolled (two SuperNodes of one owner on one agent, or a node
+configuration given twice) gets the same request ids with the same content, so the agent answers it from its
+ledger, uncharged, with the stored reply. In central trust the coordinator summed both: one client's exact sum
+counted twice under one noise, each record moving the release by 2c against a charge for c, (2c/σ)² = 4x (a
+hostile review, 2026-11-27). Each status reply now carries the ledger's tag for the run (Ledger.run_tag) and
+enrolment drops a second node with a tag it already has. Through the coordinator's `run` and real agents.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from client_agent.agent import Agent
+from client_agent.config import parse_agent_config
+from coordinator.config import CoordinatorConfig
+from coordinator.enrolment import EnrolmentError
+from coordinator.rounds import run
+from protocol import messages as wire
+from simulations.federation import write_clients
+from simulations.inprocess import InProcessTransport
+from tests.factories import MODEL_ARGS, client_data, node_config
+
+CLIENTS, RECORDS = 3, 30
+
+
+def test_a_second_node_answered_from_an_enrolled_ledger_is_not_enrolled(tmp_path: Path) -> None:
+    parts = [client_data(RECORDS, 3, seed=i) for i in range(CLIENTS)]
+    per = write_clients(
+        tmp_path, parts, epsilon=4.0, delta=1e-5, unit="record", trust="central", policy_max_request_share=1.0
+    )
+    doubled = {**per, CLIENTS: dict(per[0])}  # a fourth node id answered by client 0's agent and ledger
+    cfg = CoordinatorConfig(
+        num_nodes=CLIENTS + 1,
+        n_public=CLIENTS * RECORDS,
+        rounds=2,
+        noise_std=2.0,
+        l2_clip=1.0,
+        trust="central",
+        model="logreg",
+        model_args=MODEL_ARGS,
+        progress=False,
+    )
+    summary = run(InProcessTransport(doubled), cfg)
+    assert summary["clients_excluded"] == {"duplicate-ledger": 1}
+    assert summary["units_enrolled"] == CLIENTS * RECORDS
+    # Each round's sum holds each ledger's reply once (before: 4 replies, client 0's twice).
+    assert [log["replies"] for log in summary["rounds"]] == [CLIENTS, CLIENTS]
+    # An operator whose n_public counted the duplicate (120, what the four statuses reported; the run went on
+    # with client 0 twice) is now told the enrolled units are 90, before any request is charged.
+    with pytest.raises(EnrolmentError, match="divides by 120 enrolled units; the 3 enrolled clients hold 90"):
+        run(InProcessTransport(doubled), replace(cfg, n_public=(CLIENTS + 1) * RECORDS))
+
+
+def _status_tag(agent: Agent, run_id: str) -> str:
+    request = wire.StatusRequest(f"{run_id}:status", run_id, 0)
+    outcome = agent.handle(wire.STATUS, *wire.encode_request(request))
+    assert not outcome.is_error and outcome.config is not None
+    tag = json.loads(outcome.config["description"])["ledger_tag"]
+    assert isinstance(tag, str)
+    return tag
+
+
+def test_the_ledger_tag_is_one_per_ledger_file_and_run(tmp_path: Path) -> None:
+    # Two ledgers made in the same second from the same data and settings (the same ledger id's inputs) are
+    # two ledgers; two agents over one file are one; another run id gives another tag (not linkable across runs).
+    data = client_data(RECORDS, 3, seed=0)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = Agent(parse_agent_config(node_config(tmp_path / "a", data), simulation=True))
+    b = Agent(parse_agent_config(node_config(tmp_path / "b", data), simulation=True))
+    try:
+        again = Agent(parse_agent_config(node_config(tmp_path / "a", data), simulation=True))
+        try:
+            assert _status_tag(a, "run-1") == _status_tag(again, "run-1")
+        finally:
+            again.close()
+        assert _status_tag(a, "run-1") != _status_tag(b, "run-1")
+        assert _status_tag(a, "run-1") != _status_tag(a, "run-2")
+        assert len(_status_tag(a, "run-1")) == 32
+    finally:
+        a.close()
+        b.close()
