@@ -335,6 +335,7 @@ class Ledger:
         self._config = contents.config
         self._layout = contents.layout
         self._ledger_id = contents.ledger_id
+        self._created_at = contents.created_at
         self._schema_version = contents.schema_version
         self.foreign_objects = contents.foreign
         self._marked = contents.marked
@@ -504,10 +505,11 @@ class Ledger:
 
     def run_tag(self, federation: str, run_id: str) -> str:
         """This ledger's tag in one run (32 hex digits): the same for every node id answered from this file, and
-        unlinkable across runs (a hash of the ledger's id and file identity with the federation and run id; no
-        data, no spend). Enrolment drops a second node with the tag of one it already has (privacy.md §8)."""
+        unlinkable across runs. A hash of the file's identity and creation time (microseconds) with the
+        federation and run id: no data (the ledger's id hashes its configuration, which names the data's
+        digest), no spend. Enrolment drops a second node with the tag of one it already has (privacy.md §8)."""
         st = os.stat(self._path)
-        text = f"fedfilter-ledger-run-tag|{self._ledger_id}|{st.st_dev}:{st.st_ino}|{federation}|{run_id}"
+        text = f"fedfilter-ledger-run-tag|{self._created_at}|{st.st_dev}:{st.st_ino}|{federation}|{run_id}"
         return _sha256(text.encode())[:32]
 
     @property
@@ -1086,6 +1088,7 @@ class _Contents:
     schema_version: int
     foreign: tuple[str, ...]
     marked: bool
+    created_at: str = ""  # the creation's time (microseconds), "" in a ledger that has none
 
 
 @functools.cache
@@ -1155,7 +1158,8 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
         raise _corrupt(path, f"expected a state layout of {{name: {{shape, dtype}}}}, found {str(layout)[:200]}")
     # Fixed at creation: the ledger's own id for its high-water mark (a restored copy keeps it).
     ledger_id = _sha256(f"{meta.get('created_at', '')}|{meta['config']}".encode())[:32]
-    return _Contents(config, layout, ledger_id, int(schema_version), foreign, meta.get("high_water") == "kept")
+    marked = meta.get("high_water") == "kept"
+    return _Contents(config, layout, ledger_id, int(schema_version), foreign, marked, str(meta.get("created_at", "")))
 
 
 def _migrate(path: Path) -> None:
