@@ -336,6 +336,7 @@ class Ledger:
         self._layout = contents.layout
         self._ledger_id = contents.ledger_id
         self._created_at = contents.created_at
+        self._tag_salt = contents.tag_salt
         self._schema_version = contents.schema_version
         self.foreign_objects = contents.foreign
         self._marked = contents.marked
@@ -504,12 +505,21 @@ class Ledger:
         return self._path
 
     def run_tag(self, federation: str, run_id: str) -> str:
-        """This ledger's tag in one run (32 hex digits): the same for every node id answered from this file, and
-        unlinkable across runs. A hash of the file's identity and creation time (microseconds) with the
-        federation and run id: no data (the ledger's id hashes its configuration, which names the data's
-        digest), no spend. Enrolment drops a second node with the tag of one it already has (privacy.md §8)."""
-        st = os.stat(self._path)
-        text = f"fedfilter-ledger-run-tag|{self._created_at}|{st.st_dev}:{st.st_ino}|{federation}|{run_id}"
+        """This ledger's tag in one run (32 hex digits): the same for every node id answered from this file or a
+        copy of it, and unlinkable across runs. A hash of the ledger's salt (128 random bits drawn at creation,
+        readable by its owner only) with the federation and run id: no data (not the ledger's id, which hashes
+        its configuration and so the data's digest), no spend, and no one without the file can compute it.
+        A ledger made before salts: its creation time and the held file's device and inode instead (a copy of
+        it has its own). Enrolment drops a second node with the tag of one it already has (privacy.md §8)."""
+        if self._tag_salt:
+            text = f"fedfilter-ledger-run-tag|salt|{self._tag_salt}|{federation}|{run_id}"
+        else:
+            if self._held is not None:  # the file this handle holds, whatever is at the path now
+                dev, ino = self._held
+            else:
+                st = os.stat(self._path)
+                dev, ino = st.st_dev, st.st_ino
+            text = f"fedfilter-ledger-run-tag|{self._created_at}|{dev}:{ino}|{federation}|{run_id}"
         return _sha256(text.encode())[:32]
 
     @property
@@ -1089,6 +1099,7 @@ class _Contents:
     foreign: tuple[str, ...]
     marked: bool
     created_at: str = ""  # the creation's time (microseconds), "" in a ledger that has none
+    tag_salt: str = ""  # 32 random hex digits drawn at creation (Ledger.run_tag); "" in a ledger made before
 
 
 @functools.cache
@@ -1159,7 +1170,8 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
     # Fixed at creation: the ledger's own id for its high-water mark (a restored copy keeps it).
     ledger_id = _sha256(f"{meta.get('created_at', '')}|{meta['config']}".encode())[:32]
     marked = meta.get("high_water") == "kept"
-    return _Contents(config, layout, ledger_id, int(schema_version), foreign, marked, str(meta.get("created_at", "")))
+    created_at, salt = str(meta.get("created_at", "")), str(meta.get("tag_salt", ""))
+    return _Contents(config, layout, ledger_id, int(schema_version), foreign, marked, created_at, salt)
 
 
 def _migrate(path: Path) -> None:
@@ -1250,6 +1262,7 @@ def _create(path: Path, config: LedgerConfig, state: Arrays) -> None:
         "config": config.to_json(),
         "state_layout": json.dumps(_layout(state), sort_keys=True),
         "created_at": datetime.now(UTC).isoformat(timespec="microseconds"),
+        "tag_salt": secrets.token_hex(16),  # Ledger.run_tag
     }
     try:
         # Owner-only from the first byte (SQLite gives its WAL the same mode): the ledger holds

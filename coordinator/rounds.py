@@ -29,7 +29,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from coordinator.analysts import Analyst
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, CoordinatorConfigError
 from coordinator.enrolment import Enrolment, enrol
 from coordinator.monitor import Monitor, SvtMonitor, Verdict, build_monitor, svt_reliability
 from coordinator.release import PlainRelease, Released, ReleaseStep
@@ -59,6 +59,8 @@ def run(
 ) -> dict[str, Any]:
     """Run the configured task to its stop; returns the summary (also written to ``output_dir``)."""
     started = time.monotonic()
+    if cfg.session:  # two runs given one session would share request ids (privacy.md §9)
+        raise CoordinatorConfigError("session: each run draws its own (a resumed run takes its snapshot's); got one")
     snapshot = load_snapshot(cfg) if cfg.resume else None
     # Central trust: a session of its own (a resumed run: its snapshot's), so no request id of another run is
     # reused: a stored exact sum is noised once, or again with the same noise by the run that resumes it.

@@ -136,6 +136,8 @@ def test_a_session_is_drawn_never_configured() -> None:
     assert len(CoordinatorConfig(**base, noise_seed=1).in_session().session) == 16
     with pytest.raises(CoordinatorConfigError, match=r"without '\|' or '#'"):
         CoordinatorConfig(**(base | {"run_id": "run#0123456789abcdef"}))  # another run's wire_run_id
+    with pytest.raises(CoordinatorConfigError, match="each run draws its own"):  # a run given one (the Python API)
+        run(InProcessTransport({}), CoordinatorConfig(**base, session="0" * 16))
     drawn = CoordinatorConfig(**base).in_session()
     assert len(drawn.session) == 16 and drawn.wire_run_id == f"run#{drawn.session}"
     assert drawn.in_session() is drawn and CoordinatorConfig(**base).in_session().session != drawn.session

@@ -11,6 +11,8 @@ enrolment drops a second node with a tag it already has. Through the coordinator
 from __future__ import annotations
 
 import json
+import shutil
+import sqlite3
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,6 +59,33 @@ def test_a_second_node_answered_from_an_enrolled_ledger_is_not_enrolled(tmp_path
         run(InProcessTransport(doubled), replace(cfg, n_public=(CLIENTS + 1) * RECORDS))
 
 
+def test_a_copy_of_an_enrolled_ledger_is_not_enrolled_beside_it(tmp_path: Path) -> None:
+    # A client folder provisioned from a copy (its data and ledger) as a second node: another file, the same
+    # ledger. Its salt (drawn at the ledger's creation) is the original's, so it has the original's tag.
+    parts = [client_data(RECORDS, 3, seed=i) for i in range(CLIENTS)]
+    per = write_clients(
+        tmp_path, parts, epsilon=4.0, delta=1e-5, unit="record", trust="central", policy_max_request_share=1.0
+    )
+    Agent(parse_agent_config(per[0], simulation=True)).close()  # makes client 0's ledger
+    original = Path(per[0]["ledger-path"])
+    copy = original.with_name("copy.sqlite")
+    shutil.copyfile(original, copy)
+    cfg = CoordinatorConfig(
+        num_nodes=CLIENTS + 1,
+        n_public=CLIENTS * RECORDS,
+        rounds=1,
+        noise_std=2.0,
+        l2_clip=1.0,
+        trust="central",
+        model="logreg",
+        model_args=MODEL_ARGS,
+        progress=False,
+    )
+    summary = run(InProcessTransport({**per, CLIENTS: per[0] | {"ledger-path": str(copy)}}), cfg)
+    assert summary["clients_excluded"] == {"duplicate-ledger": 1}
+    assert [log["replies"] for log in summary["rounds"]] == [CLIENTS]
+
+
 def _status_tag(agent: Agent, run_id: str) -> str:
     request = wire.StatusRequest(f"{run_id}:status", run_id, 0)
     outcome = agent.handle(wire.STATUS, *wire.encode_request(request))
@@ -86,3 +115,23 @@ def test_the_ledger_tag_is_one_per_ledger_file_and_run(tmp_path: Path) -> None:
     finally:
         a.close()
         b.close()
+    # A ledger made before salts: its creation time and file identity instead, still one tag per file and run.
+    with sqlite3.connect(tmp_path / "b" / "ledger.sqlite") as conn:
+        conn.execute("DELETE FROM meta WHERE key = 'tag_salt'")
+    conn.close()
+    tags = []
+    for _ in range(2):
+        old = Agent(parse_agent_config(node_config(tmp_path / "b", data), simulation=True))
+        try:
+            tags.append(_status_tag(old, "run-1"))
+        finally:
+            old.close()
+    assert tags[0] == tags[1] and len(tags[0]) == 32 and tags[0] != _status_tag_of(tmp_path / "a", data)
+
+
+def _status_tag_of(folder: Path, data: tuple) -> str:
+    agent = Agent(parse_agent_config(node_config(folder, data), simulation=True))
+    try:
+        return _status_tag(agent, "run-1")
+    finally:
+        agent.close()
