@@ -238,6 +238,17 @@ def spent(path: Path | str) -> np.ndarray:
 # --- federations ------------------------------------------------------------------------------------
 
 
+def central_clients(root: Path, clients: int, records: int) -> dict[int, dict[str, Any]]:
+    """``clients`` agents of :func:`client_data` (3 features, seeds 0, 1, ...) in central trust, record units,
+    (4, 1e-5) each, no per-request cap: node configs under ``root`` for :func:`gradient_run`'s model."""
+    from simulations.federation import write_clients
+
+    parts = [client_data(records, 3, seed=i) for i in range(clients)]
+    return write_clients(
+        root, parts, epsilon=4.0, delta=1e-5, unit="record", trust="central", policy_max_request_share=1.0
+    )
+
+
 def split(x: np.ndarray, y: np.ndarray, clients: int, records: int) -> list[Data]:
     """The first ``clients * records`` rows, ``records`` consecutive rows per client."""
     return [(x[i * records : (i + 1) * records], y[i * records : (i + 1) * records]) for i in range(clients)]

@@ -25,7 +25,7 @@ from coordinator.rounds import run
 from simulations.datasets.scenarios import staircase
 from simulations.federation import write_clients
 from simulations.inprocess import InProcessTransport
-from tests.factories import MODEL_ARGS, client_data
+from tests.factories import central_clients, gradient_run
 
 CLIENTS, RECORDS = 3, 40
 
@@ -45,21 +45,8 @@ def spent(per: dict[int, dict]) -> np.ndarray:
 def test_a_central_run_started_again_under_its_run_id_is_charged_again_not_replayed(
     tmp_path: Path, seeds: tuple[int | None, int | None]
 ) -> None:
-    parts = [client_data(RECORDS, 3, seed=i) for i in range(CLIENTS)]
-    per = write_clients(
-        tmp_path, parts, epsilon=4.0, delta=1e-5, unit="record", trust="central", policy_max_request_share=1.0
-    )
-    cfg = CoordinatorConfig(
-        num_nodes=CLIENTS,
-        n_public=CLIENTS * RECORDS,
-        rounds=1,
-        noise_std=2.0,
-        l2_clip=1.0,
-        trust="central",
-        model="logreg",
-        model_args=MODEL_ARGS,
-        progress=False,
-    )
+    per = central_clients(tmp_path, CLIENTS, RECORDS)
+    cfg = gradient_run(num_nodes=CLIENTS, n_public=CLIENTS * RECORDS)
     assert cfg.run_id == "run" and cfg.noise_seed is None and cfg.session == ""
     first = run(InProcessTransport(per), replace(cfg, noise_seed=seeds[0]))
     after_first = spent(per)

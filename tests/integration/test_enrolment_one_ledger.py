@@ -20,34 +20,19 @@ import pytest
 
 from client_agent.agent import Agent
 from client_agent.config import parse_agent_config
-from coordinator.config import CoordinatorConfig
 from coordinator.enrolment import EnrolmentError
 from coordinator.rounds import run
 from protocol import messages as wire
-from simulations.federation import write_clients
 from simulations.inprocess import InProcessTransport
-from tests.factories import MODEL_ARGS, client_data, node_config
+from tests.factories import central_clients, client_data, gradient_run, node_config
 
 CLIENTS, RECORDS = 3, 30
 
 
 def test_a_second_node_answered_from_an_enrolled_ledger_is_not_enrolled(tmp_path: Path) -> None:
-    parts = [client_data(RECORDS, 3, seed=i) for i in range(CLIENTS)]
-    per = write_clients(
-        tmp_path, parts, epsilon=4.0, delta=1e-5, unit="record", trust="central", policy_max_request_share=1.0
-    )
+    per = central_clients(tmp_path, CLIENTS, RECORDS)
     doubled = {**per, CLIENTS: dict(per[0])}  # a fourth node id answered by client 0's agent and ledger
-    cfg = CoordinatorConfig(
-        num_nodes=CLIENTS + 1,
-        n_public=CLIENTS * RECORDS,
-        rounds=2,
-        noise_std=2.0,
-        l2_clip=1.0,
-        trust="central",
-        model="logreg",
-        model_args=MODEL_ARGS,
-        progress=False,
-    )
+    cfg = gradient_run(num_nodes=CLIENTS + 1, n_public=CLIENTS * RECORDS, rounds=2)
     summary = run(InProcessTransport(doubled), cfg)
     assert summary["clients_excluded"] == {"duplicate-ledger": 1}
     assert summary["units_enrolled"] == CLIENTS * RECORDS
@@ -62,25 +47,12 @@ def test_a_second_node_answered_from_an_enrolled_ledger_is_not_enrolled(tmp_path
 def test_a_copy_of_an_enrolled_ledger_is_not_enrolled_beside_it(tmp_path: Path) -> None:
     # A client folder provisioned from a copy (its data and ledger) as a second node: another file, the same
     # ledger. Its salt (drawn at the ledger's creation) is the original's, so it has the original's tag.
-    parts = [client_data(RECORDS, 3, seed=i) for i in range(CLIENTS)]
-    per = write_clients(
-        tmp_path, parts, epsilon=4.0, delta=1e-5, unit="record", trust="central", policy_max_request_share=1.0
-    )
+    per = central_clients(tmp_path, CLIENTS, RECORDS)
     Agent(parse_agent_config(per[0], simulation=True)).close()  # makes client 0's ledger
     original = Path(per[0]["ledger-path"])
     copy = original.with_name("copy.sqlite")
     shutil.copyfile(original, copy)
-    cfg = CoordinatorConfig(
-        num_nodes=CLIENTS + 1,
-        n_public=CLIENTS * RECORDS,
-        rounds=1,
-        noise_std=2.0,
-        l2_clip=1.0,
-        trust="central",
-        model="logreg",
-        model_args=MODEL_ARGS,
-        progress=False,
-    )
+    cfg = gradient_run(num_nodes=CLIENTS + 1, n_public=CLIENTS * RECORDS, rounds=1)
     summary = run(InProcessTransport({**per, CLIENTS: per[0] | {"ledger-path": str(copy)}}), cfg)
     assert summary["clients_excluded"] == {"duplicate-ledger": 1}
     assert [log["replies"] for log in summary["rounds"]] == [CLIENTS]
@@ -119,13 +91,7 @@ def test_the_ledger_tag_is_one_per_ledger_file_and_run(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / "b" / "ledger.sqlite") as conn:
         conn.execute("DELETE FROM meta WHERE key = 'tag_salt'")
     conn.close()
-    tags = []
-    for _ in range(2):
-        old = Agent(parse_agent_config(node_config(tmp_path / "b", data), simulation=True))
-        try:
-            tags.append(_status_tag(old, "run-1"))
-        finally:
-            old.close()
+    tags = [_status_tag_of(tmp_path / "b", data) for _ in range(2)]  # two agents in turn over the one file
     assert tags[0] == tags[1] and len(tags[0]) == 32 and tags[0] != _status_tag_of(tmp_path / "a", data)
 
 
