@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 # snapshot itself, how long it waits. Everything else decides what the run asks and releases.
 _VOLATILE = frozenset(
     {"resume", "snapshot_every", "output_dir", "progress", "initial_checkpoint", "round_timeout", "enrol_timeout"}
-    | {"session"}  # drawn per unseeded run, and "" in every run that snapshots (seeded only)
+    | {"session"}  # drawn by each central-trust run, not set: a resumed run takes its snapshot's (Snapshot.session)
 )
 RELEASES_NAME = "releases.jsonl"
 _PROJECTIONS = 4
