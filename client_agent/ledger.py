@@ -401,10 +401,23 @@ class Ledger:
                 raise LedgerError(
                     f"ledger {ledger_path} holds a different state from the agent's initial_state: {diff}"
                 )
+            if not ledger._tag_salt:  # a ledger made before salts gets one when an agent first opens it
+                ledger._draw_salt()
         except BaseException:
             ledger.close()
             raise
         return ledger
+
+    def _draw_salt(self) -> None:
+        """Give a ledger made before salts its ``tag_salt`` (:meth:`run_tag`): drawn once, kept by every later open
+        (two processes drawing at once keep the first one written; both read it back)."""
+        try:
+            conn = self._connection()
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('tag_salt', ?)", (secrets.token_hex(16),))
+            row = conn.execute("SELECT value FROM meta WHERE key = 'tag_salt'").fetchone()
+        except sqlite3.Error as exc:
+            raise _corrupt(self._path, exc) from exc
+        self._tag_salt = str(row[0])
 
     @classmethod
     def open_existing(cls, path: str | os.PathLike[str], *, allow_foreign: bool = False) -> Self:
@@ -509,8 +522,9 @@ class Ledger:
         copy of it, and unlinkable across runs. A hash of the ledger's salt (128 random bits drawn at creation,
         readable by its owner only) with the federation and run id: no data (not the ledger's id, which hashes
         its configuration and so the data's digest), no spend, and no one without the file can compute it.
-        A ledger made before salts: its creation time and the held file's device and inode instead (a copy of
-        it has its own). Enrolment drops a second node with the tag of one it already has (privacy.md §8)."""
+        A ledger made before salts gets one when an agent first opens it (copies made before that draw their
+        own); without one (read by ``open_existing`` only), the creation time and the held file's device and
+        inode. Enrolment drops a second node with the tag of one it already has (privacy.md §8)."""
         if self._tag_salt:
             text = f"fedfilter-ledger-run-tag|salt|{self._tag_salt}|{federation}|{run_id}"
         else:

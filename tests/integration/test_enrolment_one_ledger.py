@@ -87,12 +87,17 @@ def test_the_ledger_tag_is_one_per_ledger_file_and_run(tmp_path: Path) -> None:
     finally:
         a.close()
         b.close()
-    # A ledger made before salts: its creation time and file identity instead, still one tag per file and run.
-    with sqlite3.connect(tmp_path / "b" / "ledger.sqlite") as conn:
+    # A ledger made before salts gets one when an agent first opens it, kept from then on (a review: without
+    # it, a copy of such a ledger had a tag of its own and was enrolled beside it).
+    ledger_b = tmp_path / "b" / "ledger.sqlite"
+    with sqlite3.connect(ledger_b) as conn:
         conn.execute("DELETE FROM meta WHERE key = 'tag_salt'")
     conn.close()
     tags = [_status_tag_of(tmp_path / "b", data) for _ in range(2)]  # two agents in turn over the one file
     assert tags[0] == tags[1] and len(tags[0]) == 32 and tags[0] != _status_tag_of(tmp_path / "a", data)
+    (tmp_path / "c").mkdir()
+    shutil.copyfile(ledger_b, tmp_path / "c" / "ledger.sqlite")  # a copy made after the upgrade's first open
+    assert _status_tag_of(tmp_path / "c", data) == tags[0]
 
 
 def _status_tag_of(folder: Path, data: tuple) -> str:
