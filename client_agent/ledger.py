@@ -420,15 +420,20 @@ class Ledger:
         self._tag_salt = str(row[0])
 
     @classmethod
-    def open_existing(cls, path: str | os.PathLike[str], *, allow_foreign: bool = False) -> Self:
+    def open_existing(cls, path: str | os.PathLike[str], *, allow_foreign: bool = False, migrate: bool = False) -> Self:
         """Open an existing ledger without a configuration to compare (for ``ledger show`` / ``verify``).
 
         ``allow_foreign`` (``ledger verify`` only, which writes nothing) opens a ledger whose schema
         holds objects fedfilter did not create, listed in :attr:`foreign_objects`; an agent never does.
+        ``migrate``: bring an older ledger to this version first, as an agent's open does (for a reader that
+        owns the file, e.g. a campaign branching from a run it finished before a schema change; the
+        migration drops and rewrites nothing, so the ledger's id, state and spend are unchanged).
         """
         ledger_path = Path(path)
         if not ledger_path.exists():
             raise LedgerError(f"ledger {ledger_path}: expected an existing ledger file, found nothing at that path")
+        if migrate:
+            _migrate(ledger_path)
         return cls._open_checked(ledger_path, allow_foreign=allow_foreign)
 
     def _watch(self, high_water: HighWater) -> None:

@@ -284,7 +284,8 @@ def seed_branch_ledgers(source: Path, clients: dict[int, dict[str, Any]], *, thr
     from protocol.filters import charge
 
     for pid, node in sorted(clients.items()):
-        with Ledger.open_existing(source / f"client{pid}.sqlite") as src:
+        # A source finished before a ledger schema change is migrated, as its agent would on opening it.
+        with Ledger.open_existing(source / f"client{pid}.sqlite", migrate=True) as src:
             prefix = [
                 (rid, kind, rel)
                 for rid, kind, rel in src.releases()

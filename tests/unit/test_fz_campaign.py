@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -364,6 +365,11 @@ def test_gdp_branches_from_the_gd_step_with_the_prefix_charged_in_its_own_ledger
     tuned = Tuned(steps=5, clip=1.0, learning_rate=2.0)  # suboptimal eps 0.3: GD 2 steps, filtered 5
     first = Job(KIND_TRIAL, 0.3, "suboptimal", "gd+renyi", 2, tuned)
     rows = run_job(first, out=tmp_path / "renyi", train_limit=200, test_limit=300)
+    for pid in range(10):  # back to schema version 2, as the campaign's runs finished before schema 3 are
+        with sqlite3.connect(tmp_path / "renyi" / "ledgers" / f"client{pid}.sqlite") as conn:
+            conn.execute("DROP INDEX requests_by_federation_time")
+            conn.execute("DROP INDEX requests_by_federation_run")
+            conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
     gdp = Job(KIND_TRIAL, 0.3, "suboptimal", "gdp", 2, tuned)
     (branched,) = run_job(gdp, out=tmp_path / "gdp", train_limit=200, test_limit=300, rows=rows)
     (alone,) = run_job(gdp, out=tmp_path / "alone", train_limit=200, test_limit=300)  # no source: from round 1
