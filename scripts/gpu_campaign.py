@@ -1,0 +1,212 @@
+"""Issue 26's campaign on a lent GPU machine, in one call of the device tool (scripts/gpu_campaign.sh runs it).
+
+Every chosen job starts at once, each in a process of its own (``fedfilter reproduce fz-mnist --campaign
+--once --only '^<key>$'``), all sharing the GPU. A job the call cannot finish is lost (its snapshot stays on
+the lent machine, which is given back), so the driver watches each job's rounds and, while some job's pace
+says it will not reach its last round before ``--budget`` runs out, stops the one with the most rounds
+left: the GPU and CPU it held go to the others. At the deadline every job still running is stopped.
+
+What it leaves in ``--out``: ``new-rows.jsonl`` (the finished trials' rows: append them to
+docs/results/fz_sec51.jsonl here and commit them), ``progress.jsonl`` (every job's round against time,
+and each stop with its reason), ``workers.log`` (the jobs' logs) and ``rounds.tgz`` (each job's rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Running:
+    key: str
+    prefix: str
+    first: int  # the round the job starts from (a branch or a snapshot: > 0)
+    last: int  # its last round
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+    started: float
+    seen: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, round reached)
+    stopped: str = ""
+
+    def left(self) -> int:
+        return self.last - (self.seen[-1][1] if self.seen else self.first)
+
+
+def reached(work: Path, prefix: str) -> int | None:
+    """The last round in the newest rounds.jsonl of the job's folders (None before its first round)."""
+    folders = sorted((work / "campaign").glob(f"{prefix}-*"), key=lambda p: p.stat().st_mtime)
+    if not folders or not (folders[-1] / "rounds.jsonl").exists():
+        return None
+    last = None
+    with open(folders[-1] / "rounds.jsonl", "rb") as fh:
+        for line in fh:
+            try:
+                last = int(json.loads(line)["round"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line still being written
+    return last
+
+
+def pace(job: Running, window: float) -> float | None:
+    """Rounds per second over the last ``window`` seconds of the job's record (None while too short)."""
+    if len(job.seen) < 2:
+        return None
+    t_now, r_now = job.seen[-1]
+    earlier = [(t, r) for t, r in job.seen if t_now - t >= window]
+    t0, r0 = earlier[-1] if earlier else job.seen[0]
+    if t_now - t0 < window / 2 or r_now - r0 < 2:
+        return None
+    return (r_now - r0) / (t_now - t0)
+
+
+def gpu_use() -> str:
+    """' | GPU <busy %>, <memory used>' from nvidia-smi, or '' without one."""
+    try:
+        got = subprocess.run(
+            ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f" | GPU {got}" if got else ""
+
+
+def stop(job: Running, why: str) -> None:
+    job.stopped = why
+    if job.proc.poll() is None:
+        try:
+            os.killpg(job.proc.pid, signal.SIGTERM)
+            job.proc.wait(timeout=10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            job.proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", type=float, required=True, help="seconds from now to the deadline")
+    p.add_argument("--only", required=True, help="regular expression: the pending jobs to run (re.search on keys)")
+    p.add_argument("--max-jobs", type=int, default=8, help="at most this many jobs (the first pending ones)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per job")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--data-dir", type=Path, required=True)
+    p.add_argument("--results", type=Path, required=True)
+    p.add_argument("--work", type=Path, required=True, help="the jobs' --out")
+    p.add_argument("--out", type=Path, required=True, help="what comes back")
+    p.add_argument("--margin", type=float, default=20.0, help="seconds a job needs after its last round")
+    p.add_argument("--window", type=float, default=60.0, help="seconds of record a job's pace is read over")
+    p.add_argument("--dry-run", action="store_true", help="print the jobs and exit")
+    args = p.parse_args(argv)
+    start = time.monotonic()
+    deadline = start + args.budget
+    sys.path.insert(0, str(ROOT))
+    from simulations.cli.reproduce import job_prefix
+    from simulations.reproductions.fz_sec51 import job_rounds, load_results, pending_jobs
+
+    only = re.compile(args.only)
+    before = args.results.read_bytes().count(b"\n")
+    chosen = [j for j in pending_jobs(load_results(args.results)) if only.search(j.key)][: args.max_jobs]
+    for j in chosen:
+        first, last = job_rounds(j)
+        print(f"job {j.key}: rounds {first + 1}..{last}", flush=True)
+    if args.dry_run or not chosen:
+        return 0 if chosen else 3
+    args.out.mkdir(parents=True, exist_ok=True)
+    progress = open(args.out / "progress.jsonl", "w")
+
+    def note(**kw: Any) -> None:
+        progress.write(json.dumps({"t": round(time.monotonic() - start, 1), **kw}) + "\n")
+        progress.flush()
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
+    jobs: list[Running] = []
+    for j in chosen:
+        first, last = job_rounds(j)
+        args.work.mkdir(parents=True, exist_ok=True)
+        log = open(args.work / f"gpu-job-{len(jobs)}.log", "wb")
+        cmd = [sys.executable, "-m", "simulations.cli", "reproduce", "fz-mnist", "--campaign", "--once"]
+        cmd += ["--device", args.device, "--threads", str(args.threads), "--only", f"^{re.escape(j.key)}$"]
+        cmd += ["--data-dir", str(args.data_dir), "--results", str(args.results), "--out", str(args.work)]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        jobs.append(Running(j.key, job_prefix(j), first, last, proc, log, time.monotonic() - start))
+        note(job=j.key, event="start", first=first, last=last)
+        time.sleep(2)
+    last_stop = 0.0
+    while time.monotonic() < deadline and any(j.proc.poll() is None for j in jobs):
+        time.sleep(10)
+        now = time.monotonic() - start
+        line = []
+        for j in jobs:
+            if j.proc.poll() is not None:
+                if not j.stopped:
+                    j.stopped = f"exited rc {j.proc.returncode}"
+                    note(job=j.key, event="exit", rc=j.proc.returncode)
+                continue
+            r = reached(args.work, j.prefix)
+            if r is not None and (not j.seen or r != j.seen[-1][1]):
+                j.seen.append((now, r))
+                note(job=j.key, round=r)
+            rate = pace(j, args.window)
+            line.append(
+                f"{j.key.split('/')[1][:3]} {j.key.split('/')[2]} s{j.key.split('seed=')[1][0]}: "
+                f"{j.seen[-1][1] if j.seen else '-'}/{j.last}" + (f" {rate:.2f}/s" if rate else "")
+            )
+        print(f"{now:5.0f} s | " + " | ".join(line) + gpu_use(), flush=True)
+        # The jobs that cannot finish at their present pace; stop the one with most rounds left, then wait for
+        # the others' pace to show what it freed.
+        if now - last_stop < args.window:
+            continue
+        left = deadline - time.monotonic() - args.margin
+        late = []
+        for j in jobs:
+            rate = pace(j, args.window)
+            if j.proc.poll() is None and rate is not None and j.left() / rate > left:
+                late.append((j.left(), j.key, j, rate))
+        if late:
+            _, _, j, rate = max(late, key=lambda x: (x[0], x[1]))
+            why = f"{j.left()} rounds left at {rate:.2f}/s, {max(left, 0):.0f} s to the deadline"
+            print(f"stopping {j.key}: {why}", flush=True)
+            stop(j, why)
+            note(job=j.key, event="stopped", why=why)
+            last_stop = now
+    for j in jobs:
+        if j.proc.poll() is None:
+            stop(j, "deadline")
+            note(job=j.key, event="stopped", why="deadline")
+        j.log.close()
+    progress.close()
+    lines = args.results.read_bytes().splitlines(keepends=True)[before:]
+    (args.out / "new-rows.jsonl").write_bytes(b"".join(lines))
+    with open(args.out / "workers.log", "w") as fh:
+        for i, j in enumerate(jobs):
+            text = (args.work / f"gpu-job-{i}.log").read_bytes().decode(errors="replace").replace("\r", "\n")
+            fh.write(f"==== {j.key} ({j.stopped or 'finished'})\n")
+            fh.write("\n".join(x for x in text.splitlines() if not x.startswith("[#")) + "\n")
+    with tarfile.open(args.out / "rounds.tgz", "w:gz") as tar:
+        for f in sorted((args.work / "campaign").glob("*/rounds.jsonl")):
+            tar.add(f, arcname=f"{f.parent.name}/rounds.jsonl")
+    print(f"{len(lines)} new rows; " + "; ".join(f"{j.key}: {j.stopped or 'finished'}" for j in jobs), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
