@@ -72,6 +72,20 @@ def pace(job: Running, window: float) -> float | None:
     return (r_now - r0) / (t_now - t0)
 
 
+def too_late(jobs: list[Running], left_s: float, window: float) -> tuple[Running, str] | None:
+    """The running job to stop, and why: of those whose pace over ``window`` says they cannot reach their last
+    round in ``left_s`` seconds, the one with most rounds left (ties: the later key); None when all can."""
+    late = []
+    for j in jobs:
+        rate = pace(j, window)
+        if j.proc.poll() is None and rate is not None and j.left() / rate > left_s:
+            late.append((j.left(), j.key, j, rate))
+    if not late:
+        return None
+    _, _, j, rate = max(late, key=lambda x: (x[0], x[1]))
+    return j, f"{j.left()} rounds left at {rate:.2f}/s, {max(left_s, 0):.0f} s to the deadline"
+
+
 def gpu_use() -> str:
     """' | GPU <busy %>, <memory used>' from nvidia-smi, or '' without one."""
     try:
@@ -175,15 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         # the others' pace to show what it freed.
         if now - last_stop < args.window:
             continue
-        left = deadline - time.monotonic() - args.margin
-        late = []
-        for j in jobs:
-            rate = pace(j, args.window)
-            if j.proc.poll() is None and rate is not None and j.left() / rate > left:
-                late.append((j.left(), j.key, j, rate))
-        if late:
-            _, _, j, rate = max(late, key=lambda x: (x[0], x[1]))
-            why = f"{j.left()} rounds left at {rate:.2f}/s, {max(left, 0):.0f} s to the deadline"
+        late = too_late(jobs, deadline - time.monotonic() - args.margin, args.window)
+        if late is not None:
+            j, why = late
             print(f"stopping {j.key}: {why}", flush=True)
             stop(j, why)
             note(job=j.key, event="stopped", why=why)
