@@ -489,12 +489,7 @@ class Ledger:
         try:
             contents = _check_contents(path, conn)
             if contents.foreign and not allow_foreign:
-                raise _corrupt(
-                    path,
-                    "expected only the tables and indexes fedfilter creates, found "
-                    + ", ".join(contents.foreign)
-                    + " (a trigger or view can rewrite or hide what the agent commits)",
-                )
+                raise _foreign(path, contents.foreign)
             _set_durable_pragmas(path, conn)
             try:
                 now = os.stat(path)
@@ -1121,6 +1116,9 @@ class _Contents:
     tag_salt: str = ""  # 32 random hex digits drawn at creation (Ledger.run_tag); "" in a ledger made before
 
 
+_MASTER: Final = "SELECT type, name, tbl_name, sql FROM sqlite_master"
+
+
 @functools.cache
 def _schema_objects(statements: tuple[str, ...]) -> frozenset[tuple[str, str, str, str | None]]:
     """Every object the schema ``statements`` make: the tables, their indexes and SQLite's autoindexes."""
@@ -1160,6 +1158,8 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
             else {}
         )
         if (old := meta.get("schema_version")) in _OLDER:  # an older ledger an agent has not migrated yet
+            if foreign:  # which a migration leaves alone: say why it is refused, not that a migration would do
+                raise _foreign(path, foreign)
             raise LedgerError(
                 f"ledger {path}: expected schema version {SCHEMA_VERSION}, found {old} (an agent opening it "
                 "migrates it: `fedfilter agent check AGENT.toml`)"
@@ -1191,6 +1191,16 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
     marked = meta.get("high_water") == "kept"
     created_at, salt = str(meta.get("created_at", "")), str(meta.get("tag_salt", ""))
     return _Contents(config, layout, ledger_id, int(schema_version), foreign, marked, created_at, salt)
+
+
+def _foreign(path: Path, foreign: tuple[str, ...]) -> LedgerError:
+    """The refusal of a ledger whose schema holds objects fedfilter did not create."""
+    return _corrupt(
+        path,
+        "expected only the tables and indexes fedfilter creates, found "
+        + ", ".join(foreign)
+        + " (a trigger or view can rewrite or hide what the agent commits)",
+    )
 
 
 def _migrate(path: Path) -> None:
@@ -1225,9 +1235,12 @@ def _migrate_held(path: Path) -> None:
             (app_id,) = conn.execute("PRAGMA application_id").fetchone()
             if app_id != APPLICATION_ID:
                 return  # a file the open that follows refuses
-            objects = set(conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall())
-            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if row is None or row[0] not in _OLDER or objects != _schema_objects(_OLDER[row[0]][0]):
+            # The objects first: nothing is read from a file that holds anything an older version did not make
+            # (a view named meta would run, and may never end).
+            objects = set(conn.execute(_MASTER).fetchall())
+            shapes = [v for v, (schema, _) in _OLDER.items() if objects == _schema_objects(schema)]
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() if shapes else None
+            if row is None or row[0] not in shapes:
                 return  # this version's ledger, or a file the open that follows refuses
             old = str(row[0])
         except sqlite3.Error:
@@ -1235,6 +1248,9 @@ def _migrate_held(path: Path) -> None:
         try:
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute("BEGIN IMMEDIATE")
+            if set(conn.execute(_MASTER).fetchall()) != objects:  # changed since (a trigger added): left as it is
+                conn.execute("ROLLBACK")
+                return
             (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if version == old:  # another agent may have migrated it since
                 for statement in _OLDER[old][1]:

@@ -41,8 +41,10 @@ import logging
 import math
 import os
 import platform
+import sqlite3
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -264,6 +266,25 @@ class Branch:
     round: int
 
 
+def _copy_sqlite(path: Path, copy: Path) -> None:
+    """``path``'s committed contents (its write-ahead log's too) into a new file ``copy``, reading ``path`` only."""
+    if not path.is_file():
+        raise SimulationError(f"branch: expected a ledger at {path}, found nothing there")
+    try:
+        src = sqlite3.connect(path.absolute().as_uri() + "?mode=ro", uri=True)
+        try:
+            dst = sqlite3.connect(copy)
+            try:
+                src.backup(dst)
+            finally:
+                dst.close()
+        finally:
+            src.close()
+    except sqlite3.Error as exc:
+        raise SimulationError(f"branch: expected to read the ledger {path}, found SQLite's error: {exc}") from exc
+    copy.chmod(0o600)
+
+
 def seed_branch_ledgers(source: Path, clients: dict[int, dict[str, Any]], *, through_round: int) -> None:
     """Charge each new client's ledger, under its own filter, with the source run's gradient releases up to
     ``through_round``, before the branch asks anything.
@@ -284,14 +305,19 @@ def seed_branch_ledgers(source: Path, clients: dict[int, dict[str, Any]], *, thr
     from protocol.filters import charge
 
     for pid, node in sorted(clients.items()):
-        # A source finished before a ledger schema change is migrated, as its agent would on opening it.
-        with Ledger.open_existing(source / f"client{pid}.sqlite", migrate=True) as src:
-            prefix = [
-                (rid, kind, rel)
-                for rid, kind, rel in src.releases()
-                if str(rel["kind"]) == "gradient" and int(rid.rsplit(":r", 1)[1]) <= through_round
-            ]
-            digests = {rid: src.lookup(rid) for rid, _, _ in prefix}
+        # Read from a copy, never the source itself (its path comes from a results row, which may have been
+        # written elsewhere): a source finished before a ledger schema change is migrated there, as its
+        # agent would on opening it.
+        with tempfile.TemporaryDirectory(prefix="fz-branch-") as tmp:
+            copy = Path(tmp) / "source.sqlite"
+            _copy_sqlite(source / f"client{pid}.sqlite", copy)
+            with Ledger.open_existing(copy, migrate=True) as src:
+                prefix = [
+                    (rid, kind, rel)
+                    for rid, kind, rel in src.releases()
+                    if str(rel["kind"]) == "gradient" and int(rid.rsplit(":r", 1)[1]) <= through_round
+                ]
+                digests = {rid: src.lookup(rid) for rid, _, _ in prefix}
         if [int(rid.rsplit(":r", 1)[1]) for rid, _, _ in prefix] != list(range(1, through_round + 1)):
             raise SimulationError(f"branch: {source}/client{pid}.sqlite lacks gradient rounds 1..{through_round}")
         agent = Agent(parse_agent_config(node, simulation=True))

@@ -370,8 +370,13 @@ def test_gdp_branches_from_the_gd_step_with_the_prefix_charged_in_its_own_ledger
             conn.execute("DROP INDEX requests_by_federation_time")
             conn.execute("DROP INDEX requests_by_federation_run")
             conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    sources = sorted((tmp_path / "renyi" / "ledgers").glob("client*.sqlite"))
+    before = [f.read_bytes() for f in sources]
     gdp = Job(KIND_TRIAL, 0.3, "suboptimal", "gdp", 2, tuned)
     (branched,) = run_job(gdp, out=tmp_path / "gdp", train_limit=200, test_limit=300, rows=rows)
+    # The branch read copies: the source run's ledgers are as they were, still version 2 (a review: the path
+    # comes from a results row, so the branch must not write there).
+    assert len(sources) == 10 and [f.read_bytes() for f in sources] == before
     (alone,) = run_job(gdp, out=tmp_path / "alone", train_limit=200, test_limit=300)  # no source: from round 1
     assert "round_00002.npz" in branched["branched_from"] and "branched_from" not in alone
     assert branched["rounds_completed"] == alone["rounds_completed"] == 5
@@ -389,7 +394,7 @@ def test_gdp_branches_from_the_gd_step_with_the_prefix_charged_in_its_own_ledger
         ids = [rid for rid, _, _ in releases]
         # The prefix under the Rényi run's request ids, then the branch from round 3 under its own (each run
         # in a session of its own: '<run_id>#<16 hex>', coordinator/config.py wire_run_id).
-        with Ledger.open_existing(tmp_path / "renyi" / "ledgers" / f"client{pid}.sqlite") as ledger:
+        with Ledger.open_existing(tmp_path / "renyi" / "ledgers" / f"client{pid}.sqlite", migrate=True) as ledger:
             assert ids[:2] == [rid for rid, _, _ in ledger.releases()][:2]
         assert [sessionless(rid) for rid in ids[:3]] == [
             "fz-0.3-suboptimal-renyi-2:gradient:r1",

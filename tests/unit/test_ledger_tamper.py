@@ -13,8 +13,11 @@ refused with it:
 from __future__ import annotations
 
 import io
+import re
 import shutil
 import sqlite3
+import subprocess
+import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -113,6 +116,64 @@ def test_an_altered_table_is_refused(tmp_path: Path) -> None:
     plant(path, "ALTER TABLE requests ADD COLUMN note TEXT")
     with pytest.raises(LedgerError, match="found missing or altered table 'requests'"):
         Ledger.open(path, make_config())
+
+
+def version_2(path: Path) -> None:
+    """A ledger as schema version 2 left it (before version 3's two indexes)."""
+    new_ledger(path)
+    for sql in (
+        "DROP INDEX requests_by_federation_time",
+        "DROP INDEX requests_by_federation_run",
+        "UPDATE meta SET value = '2' WHERE key = 'schema_version'",
+    ):
+        plant(path, sql)
+
+
+def test_an_older_ledger_holding_a_trigger_is_refused_for_it_and_never_migrated(tmp_path: Path) -> None:
+    # A migration writes to meta: a trigger on it would run on the agent's behalf. It is left as it is, and
+    # the refusal names the trigger rather than saying that a migration would do (a review of 2026-11-27).
+    path = tmp_path / "ledger.sqlite"
+    version_2(path)
+    plant(path, "CREATE TRIGGER t AFTER UPDATE ON meta BEGIN UPDATE state SET sha256 = sha256 WHERE id = 1; END")
+    before = path.read_bytes()
+    for migrate in (False, True):
+        with pytest.raises(LedgerError, match="fedfilter creates, found trigger 't'"):
+            Ledger.open_existing(path, migrate=migrate)
+    with pytest.raises(LedgerError, match="fedfilter creates, found trigger 't'"):
+        Ledger.open(path, make_config())  # an agent's open migrates too
+    assert path.read_bytes() == before
+
+
+def test_an_older_ledger_with_a_view_for_its_meta_is_refused_without_reading_it(tmp_path: Path) -> None:
+    # The migration read meta before it compared the schema: a view named meta that never ends hung every
+    # agent's open of the file (a review of 2026-11-27). Run where a hang is a failure, not a stuck suite.
+    path = tmp_path / "ledger.sqlite"
+    version_2(path)
+    plant(path, "ALTER TABLE meta RENAME TO meta_kept")
+    plant(
+        path,
+        "CREATE VIEW meta AS WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) "
+        "SELECT 'schema_version' AS key, '2' AS value FROM n WHERE x < 0",
+    )
+    code = (
+        "import sys\n"
+        "from client_agent.ledger import Ledger, LedgerError\n"
+        "from tests.unit.test_ledger import make_config\n"
+        "for open_ in (lambda: Ledger.open_existing(sys.argv[1], migrate=True), "
+        "lambda: Ledger.open(sys.argv[1], make_config())):\n"
+        "    try:\n"
+        "        open_()\n"
+        "    except LedgerError as exc:\n"
+        "        print('refused:', exc)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)], cwd=root, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    refusals = done.stdout.splitlines()
+    assert len(refusals) == 2, refusals
+    assert all(re.search("found missing or altered .*table 'meta'", r) for r in refusals), refusals
 
 
 def test_a_schema_changed_after_open_stops_the_next_commit(tmp_path: Path) -> None:
