@@ -14,6 +14,7 @@ and each stop with its reason), ``workers.log`` (the jobs' logs) and ``rounds.tg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -46,8 +47,10 @@ class Running:
 
 
 def reached(work: Path, prefix: str) -> int | None:
-    """The last round in the newest rounds.jsonl of the job's folders (None before its first round)."""
-    folders = sorted((work / "campaign").glob(f"{prefix}-*"), key=lambda p: p.stat().st_mtime)
+    """The last round in the rounds.jsonl of the job's newest folder ``<prefix>-<YYYYmmdd-HHMMSS>`` (None before
+    its first round; another job's folders, whose keys only begin like this one's, are not read)."""
+    name = re.compile(re.escape(prefix) + r"-\d{8}-\d{6}")
+    folders = sorted(p for p in (work / "campaign").glob(f"{prefix}-*") if name.fullmatch(p.name))
     if not folders or not (folders[-1] / "rounds.jsonl").exists():
         return None
     last = None
@@ -60,30 +63,43 @@ def reached(work: Path, prefix: str) -> int | None:
     return last
 
 
-def pace(job: Running, window: float) -> float | None:
-    """Rounds per second over the last ``window`` seconds of the job's record (None while too short)."""
-    if len(job.seen) < 2:
-        return None
-    t_now, r_now = job.seen[-1]
-    earlier = [(t, r) for t, r in job.seen if t_now - t >= window]
+def pace(job: Running, window: float, now: float) -> float | None:
+    """Rounds per second from ``window`` seconds before ``now`` (seconds since the start) to ``now``: a job
+    that stops moving slows down. None while its record is under half a window; 0 for a job with no round
+    ``3 * window`` seconds after it started."""
+    if not job.seen:
+        return 0.0 if now - job.started >= 3 * window else None
+    r_now = job.seen[-1][1]
+    earlier = [(t, r) for t, r in job.seen if now - t >= window]
     t0, r0 = earlier[-1] if earlier else job.seen[0]
-    if t_now - t0 < window / 2 or r_now - r0 < 2:
+    if now - t0 < window / 2:
         return None
-    return (r_now - r0) / (t_now - t0)
+    return (r_now - r0) / (now - t0)
 
 
-def too_late(jobs: list[Running], left_s: float, window: float) -> tuple[Running, str] | None:
-    """The running job to stop, and why: of those whose pace over ``window`` says they cannot reach their last
-    round in ``left_s`` seconds, the one with most rounds left (ties: the later key); None when all can."""
+def too_late(jobs: list[Running], left_s: float, window: float, now: float) -> tuple[Running, str] | None:
+    """The running job to stop, and why: of those whose pace (:func:`pace`) says they cannot reach their last
+    round in ``left_s`` seconds, the one with most rounds left (ties: the later key); None when all can. A job
+    at its last round (only its end to write) is never stopped."""
     late = []
     for j in jobs:
-        rate = pace(j, window)
-        if j.proc.poll() is None and rate is not None and j.left() / rate > left_s:
+        rate = pace(j, window, now)
+        if j.proc.poll() is not None or rate is None or j.left() <= 0:
+            continue
+        if rate <= 0 or j.left() / rate > left_s:
             late.append((j.left(), j.key, j, rate))
     if not late:
         return None
     _, _, j, rate = max(late, key=lambda x: (x[0], x[1]))
     return j, f"{j.left()} rounds left at {rate:.2f}/s, {max(left_s, 0):.0f} s to the deadline"
+
+
+def whole_row(line: bytes) -> bool:
+    """Whether ``line`` is a whole JSON object (not a write cut short)."""
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def gpu_use() -> str:
@@ -101,18 +117,21 @@ def gpu_use() -> str:
     return f" | GPU {got}" if got else ""
 
 
-def stop(job: Running, why: str) -> None:
-    job.stopped = why
-    if job.proc.poll() is None:
-        try:
-            os.killpg(job.proc.pid, signal.SIGTERM)
-            job.proc.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(job.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            job.proc.wait()
+def stop(jobs: list[Running], why: str, grace: float = 10.0) -> None:
+    """Stop ``jobs`` together: SIGTERM to each process group, ``grace`` seconds for all of them, then SIGKILL
+    to every group (a member that ignores SIGTERM, or outlives its leader, goes too)."""
+    for j in jobs:
+        j.stopped = j.stopped or why
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(j.proc.pid, signal.SIGTERM)
+    until = time.monotonic() + grace
+    for j in jobs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            j.proc.wait(timeout=max(until - time.monotonic(), 0.01))
+    for j in jobs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(j.proc.pid, signal.SIGKILL)
+        j.proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from simulations.reproductions.fz_sec51 import job_rounds, load_results, pending_jobs
 
     only = re.compile(args.only)
-    before = args.results.read_bytes().count(b"\n")
+    before = set(args.results.read_bytes().splitlines())  # the rows already there (each names its job and time)
     chosen = [j for j in pending_jobs(load_results(args.results)) if only.search(j.key)][: args.max_jobs]
     for j in chosen:
         first, last = job_rounds(j)
@@ -164,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         jobs.append(Running(j.key, job_prefix(j), first, last, proc, log, time.monotonic() - start))
         note(job=j.key, event="start", first=first, last=last)
         time.sleep(2)
+
+    def ended(j: Running) -> None:
+        if not j.stopped:
+            j.stopped = f"exited rc {j.proc.returncode}"
+            note(job=j.key, event="exit", rc=j.proc.returncode)
+
     last_stop = 0.0
     while time.monotonic() < deadline and any(j.proc.poll() is None for j in jobs):
         time.sleep(10)
@@ -171,15 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         line = []
         for j in jobs:
             if j.proc.poll() is not None:
-                if not j.stopped:
-                    j.stopped = f"exited rc {j.proc.returncode}"
-                    note(job=j.key, event="exit", rc=j.proc.returncode)
+                ended(j)
                 continue
             r = reached(args.work, j.prefix)
             if r is not None and (not j.seen or r != j.seen[-1][1]):
                 j.seen.append((now, r))
                 note(job=j.key, round=r)
-            rate = pace(j, args.window)
+            rate = pace(j, args.window, now)
             line.append(
                 f"{j.key.split('/')[1][:3]} {j.key.split('/')[2]} s{j.key.split('seed=')[1][0]}: "
                 f"{j.seen[-1][1] if j.seen else '-'}/{j.last}" + (f" {rate:.2f}/s" if rate else "")
@@ -189,31 +212,41 @@ def main(argv: list[str] | None = None) -> int:
         # the others' pace to show what it freed.
         if now - last_stop < args.window:
             continue
-        late = too_late(jobs, deadline - time.monotonic() - args.margin, args.window)
+        late = too_late(jobs, deadline - time.monotonic() - args.margin, args.window, now)
         if late is not None:
             j, why = late
             print(f"stopping {j.key}: {why}", flush=True)
-            stop(j, why)
+            stop([j], why)
             note(job=j.key, event="stopped", why=why)
             last_stop = now
     for j in jobs:
-        if j.proc.poll() is None:
-            stop(j, "deadline")
-            note(job=j.key, event="stopped", why="deadline")
+        if j.proc.poll() is not None:
+            ended(j)  # a job that exited since the last look
+    running = [j for j in jobs if j.proc.poll() is None]
+    stop(running, "deadline")
+    for j in running:
+        note(job=j.key, event="stopped", why="deadline")
+    for j in jobs:
         j.log.close()
     progress.close()
-    lines = args.results.read_bytes().splitlines(keepends=True)[before:]
+    lines = [x + b"\n" for x in args.results.read_bytes().splitlines() if x not in before and whole_row(x)]
     (args.out / "new-rows.jsonl").write_bytes(b"".join(lines))
+    landed = {json.loads(x).get("job") for x in lines}
+    for j in jobs:
+        if j.key in landed:
+            j.stopped = "landed"
+        elif j.stopped.startswith("exited"):  # else the driver stopped it, for the reason it gave
+            j.stopped += " without a row (workers.log says why)"
     with open(args.out / "workers.log", "w") as fh:
         for i, j in enumerate(jobs):
             text = (args.work / f"gpu-job-{i}.log").read_bytes().decode(errors="replace").replace("\r", "\n")
-            fh.write(f"==== {j.key} ({j.stopped or 'finished'})\n")
+            fh.write(f"==== {j.key} ({j.stopped})\n")
             fh.write("\n".join(x for x in text.splitlines() if not x.startswith("[#")) + "\n")
     with tarfile.open(args.out / "rounds.tgz", "w:gz") as tar:
         for f in sorted((args.work / "campaign").glob("*/rounds.jsonl")):
             tar.add(f, arcname=f"{f.parent.name}/rounds.jsonl")
-    print(f"{len(lines)} new rows; " + "; ".join(f"{j.key}: {j.stopped or 'finished'}" for j in jobs), flush=True)
-    return 0
+    print(f"{len(lines)} new rows; " + "; ".join(f"{j.key}: {j.stopped}" for j in jobs), flush=True)
+    return 0 if all(not j.stopped.startswith("exited") for j in jobs) else 1
 
 
 if __name__ == "__main__":
