@@ -775,6 +775,8 @@ def campaign_progress(rows: list[dict[str, Any]], at_round: dict[str, int], *, r
     left = past = 0
     for j in pending:
         start, end = job_rounds(j)
+        if j.method == "gdp" and finished(twin(j), rows) and branch_source(j, rows) is None:
+            start = 0  # its twin's folder is not here (it ran on another machine): it runs from round 1
         reached = min(end, max(start, at_round.get(j.key, start)))
         left += end - reached
         past += reached - start

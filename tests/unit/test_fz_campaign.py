@@ -617,6 +617,30 @@ def test_progress_counts_the_steps_left_less_the_snapshots_and_the_trials_still_
     )
 
 
+def test_progress_counts_a_gdp_job_whose_twin_ran_elsewhere_from_round_1(tmp_path: Path) -> None:
+    # A twin that ran on a lent GPU left its folder there: its GDP job runs from round 1, not from the branch.
+    rows = all_tuned(0.9)
+    gdp = next(j for j in campaign_jobs(rows) if j.method == "gdp" and j.regime == "suboptimal")
+    source = fz.twin(gdp)
+    start, _ = fz.job_rounds(gdp)
+    twin_steps = fz.job_rounds(source)[1]
+    before = fz.campaign_progress(rows, {}).steps_left
+    here = tmp_path / "here"
+    (here / "checkpoints").mkdir(parents=True)
+    (here / "checkpoints" / f"round_{start:05d}.npz").write_bytes(b"")
+    (here / "ledgers").mkdir()
+    for pid in range(10):
+        (here / "ledgers" / f"client{pid}.sqlite").write_bytes(b"")
+
+    def finished_at(folder: Path) -> list[dict[str, Any]]:
+        gd = trial_row(source, "gd", 0.9, out=str(folder), gd_steps=start)
+        return [*rows, gd, trial_row(source, "renyi", 0.9, out=str(folder))]
+
+    assert start > 0
+    assert fz.campaign_progress(finished_at(here), {}).steps_left == before - twin_steps
+    assert fz.campaign_progress(finished_at(tmp_path / "gone"), {}).steps_left == before - twin_steps + start
+
+
 def test_progress_pace_is_wall_seconds_over_the_rounds_each_row_ran() -> None:
     rows = all_tuned(0.9)
     jobs = campaign_jobs(rows)
