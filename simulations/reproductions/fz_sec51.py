@@ -1287,7 +1287,9 @@ def plot_fig1(rows: list[dict[str, Any]], path: Path) -> Path | None:
 
 
 def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> Path | None:
-    """Test accuracy against step, one panel per epsilon, one line per regime and method (first full-scale trial)."""
+    """Test accuracy against step, one column per epsilon, one line per regime and method (first full-scale
+    trial); below, the filtered runs from GD's last worst-case step on, zoomed, each with its privately
+    selected step starred (where the Rényi and GDP filters part)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1296,30 +1298,48 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> Path | None:
     full = [r for r in rows if row_kind(r) == KIND_TRIAL and r["train_records"] == 60000 and r.get("accuracy_by_round")]
     if not full:
         return None
-    fig, axes = plt.subplots(1, len(EPSILONS), figsize=(4.2 * len(EPSILONS), 3.6), sharey=True)
+    fig, grid = plt.subplots(2, len(EPSILONS), figsize=(4.2 * len(EPSILONS), 6.8))
     styles = {"gd": "-", "renyi": "--", "gdp": ":"}
     names = {"gd": "GD", "renyi": "GD + Rényi filter", "gdp": "GD + GDP filter"}
-    for ax, eps in zip(axes, EPSILONS, strict=True):
+    for ax, zoom, eps in zip(grid[0], grid[1], EPSILONS, strict=True):
         seen = set()
+        zoomed: list[float] = []
         for r in full:
             key = (r["regime"], r["method"])
             if r["epsilon"] != eps or key in seen:
                 continue
             seen.add(key)
             steps = sorted(int(k) for k in r["accuracy_by_round"])  # JSON keys are strings
-            acc = [100 * r["accuracy_by_round"][k] for k in sorted(r["accuracy_by_round"], key=int)]
+            acc = [100 * r["accuracy_by_round"][str(k)] for k in steps]
             color = "tab:blue" if r["regime"] == "suboptimal" else "tab:orange"
-            ax.plot(
-                steps, acc, styles[r["method"]], color=color, marker=".", label=f"{r['regime']}: {names[r['method']]}"
-            )
+            label = f"{r['regime']}: {names[r['method']]}"
+            ax.plot(steps, acc, styles[r["method"]], color=color, marker=".", label=label)
+            if r["method"] == "gd":
+                continue
+            start = int(r.get("gd_steps") or 0)
+            late = [(k, a) for k, a in zip(steps, acc, strict=True) if k >= start]
+            if not late:
+                continue
+            zoom.plot(*zip(*late, strict=True), styles[r["method"]], color=color, linewidth=1.2, label=label)
+            chosen = r.get("selected_step")
+            if chosen is not None and str(chosen) in r["accuracy_by_round"]:
+                zoom.plot([int(chosen)], [100 * r["accuracy_by_round"][str(chosen)]], "*", color=color, markersize=9)
+            zoomed += [a for _, a in late]
         ax.set_title(f"ε = {eps}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+        zoom.set_title(f"ε = {eps}: filtered runs from GD's last step (★ selected)", fontsize=8)
+        zoom.set_xlabel("step")
+        zoom.grid(alpha=0.3)
+        if zoomed:
+            zoom.set_ylim(min(zoomed) - 0.3, max(zoomed) + 0.3)
+            zoom.legend(fontsize=6)
         if seen:
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "not run", transform=ax.transAxes, ha="center", va="center", color="grey")
-    axes[0].set_ylabel("test accuracy (%)")
+    grid[0][0].set_ylabel("test accuracy (%)")
+    grid[1][0].set_ylabel("test accuracy (%)")
     fig.suptitle("FZ Sec. 5.1 on MNIST: test accuracy against step (first trial of each cell)", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

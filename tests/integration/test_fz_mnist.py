@@ -130,6 +130,8 @@ def test_report_plots_fig1_from_full_scale_filtered_runs(tmp_path: Path) -> None
             "active_per_round": [60000, 60000, 30000, 100],
             "final_accuracy": 0.9,
             "accuracy_by_round": {"2": 0.5, "3": 0.9},  # as read back from the JSON lines file
+            "gd_steps": 2,
+            "selected_step": 3,  # starred in the zoomed panel below
         }
     ]
     assert plot_fig1(rows, tmp_path / "fig.png") == tmp_path / "fig.png"
