@@ -1158,8 +1158,9 @@ def _check_contents(path: Path, conn: sqlite3.Connection) -> _Contents:
             else {}
         )
         if (old := meta.get("schema_version")) in _OLDER:  # an older ledger an agent has not migrated yet
-            if foreign:  # which a migration leaves alone: say why it is refused, not that a migration would do
-                raise _foreign(path, foreign)
+            # An object that version did not make is left alone by a migration: say that, not that one would do.
+            if extra := tuple(sorted(f"{k} {n!r}" for k, n, _, _ in objects - _schema_objects(_OLDER[old][0]))):
+                raise _foreign(path, extra)
             raise LedgerError(
                 f"ledger {path}: expected schema version {SCHEMA_VERSION}, found {old} (an agent opening it "
                 "migrates it: `fedfilter agent check AGENT.toml`)"
