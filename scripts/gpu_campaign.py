@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -149,13 +150,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=60.0, help="seconds of record a job's pace is read over")
     p.add_argument("--dry-run", action="store_true", help="print the jobs and exit")
     args = p.parse_args(argv)
+    for name in ("budget", "window", "margin"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"--{name}: expected a finite number of seconds above 0, got {value!r}")
+    if args.max_jobs < 1 or args.threads < 1:
+        p.error(f"--max-jobs and --threads: expected at least 1, got {args.max_jobs} and {args.threads}")
+    try:
+        only = re.compile(args.only)
+    except re.error as exc:
+        p.error(f"--only: expected a regular expression, got {args.only!r}: {exc}")
     start = time.monotonic()
     deadline = start + args.budget
     sys.path.insert(0, str(ROOT))
     from simulations.cli.reproduce import job_prefix
     from simulations.reproductions.fz_sec51 import job_rounds, load_results, pending_jobs
 
-    only = re.compile(args.only)
     before = set(args.results.read_bytes().splitlines())  # the rows already there (each names its job and time)
     chosen = [j for j in pending_jobs(load_results(args.results)) if only.search(j.key)][: args.max_jobs]
     for j in chosen:

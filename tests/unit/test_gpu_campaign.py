@@ -132,3 +132,24 @@ def test_only_whole_rows_come_back() -> None:
     assert gc.whole_row(b'{"job": "a", "final_accuracy": 0.9}')
     assert not gc.whole_row(b'{"job": "a", "final_acc')  # a write cut short
     assert not gc.whole_row(b"[1, 2]") and not gc.whole_row(b"")
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--budget", "nan"], "--budget: expected a finite number of seconds above 0, got nan"),
+        (["--budget", "-5"], "--budget: expected a finite number of seconds above 0, got -5.0"),
+        (["--budget", "60", "--window", "inf"], "--window: expected a finite number of seconds above 0, got inf"),
+        (["--budget", "60", "--max-jobs", "0"], "--max-jobs and --threads: expected at least 1, got 0 and 2"),
+        (["--budget", "60", "--only", "(["], "--only: expected a regular expression, got '(['"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name_before_any_job_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], named: str
+) -> None:
+    common = ["--only", "x", "--data-dir", str(tmp_path), "--results", str(tmp_path / "r.jsonl")]
+    common += ["--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as stopped:
+        gc.main(common + args)
+    assert stopped.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
