@@ -5,11 +5,17 @@ agents each answer a gradient request with the per-record engine, the coordinato
 This script runs ``--rounds`` rounds on ``--device`` and prints each round's seconds (the coordinator's
 ``duration_s``; round 1 apart, it decides each agent's plan on synthetic records). When the device is not
 the CPU it then runs the same rounds on the CPU in the same process and prints ``ratio=<cpu / device>``
-(above 1: the device is faster). ``--profile``: torch.profiler over the device's rounds, the 25 operators
-of most self time (CUDA time first on a GPU) -> stdout: where a step goes.
+(above 1: the device is faster), and before that the same rounds on the device with a CPU's block sizes
+(1,024-record chunks, 2^25 floats of rows a block: six blocks a client, not one) and
+``blocks=<cpu-sized / device-sized>`` (above 1: the device's larger blocks are faster). ``--profile``:
+torch.profiler over the device's rounds, the 25 operators of most self time (CUDA time first on a GPU)
+-> stdout: where a step goes.
 
 Measured on an H100 on 2026-11-27 in the campaign itself (scripts/gpu_campaign.sh, no profile): 2-3 s a
-step per worker with 3-8 workers sharing the GPU, 10-13 s on one thread of this project's CPU.
+step per worker with 3-8 workers sharing the GPU, 10-13 s on one thread of this project's CPU. On a lent
+H200 on 2026-11-27, alone, 4 torch threads, 6 rounds (`--device cuda --rounds 6 --threads 4`): 0.605 s a
+step with the device's blocks, 0.823 s with a CPU's (blocks=1.36), 4.71 s on its CPU (ratio=7.79). The
+profile there (`--profile`): 81 ms of CUDA time a step; the rest is launches and host round trips.
 
 Run: .venv/bin/python benchmarks/campaign_step.py [--device cuda] [--rounds 4] [--train-limit N]
 [--threads T] [--data-dir D] [--profile]
@@ -21,6 +27,8 @@ import argparse
 import os
 import statistics
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +37,7 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 import torch
 
+from client_agent import streaming, workloads
 from simulations.datasets.partition import mnist_silos
 from simulations.reproductions.fz_sec51 import CLIENTS, Tuned, cell, run_federation
 
@@ -68,6 +77,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     runs = {args.device: steps(args.device, args, args.profile)}
     if args.device != "cpu":
+        with cpu_sized_blocks():
+            runs[f"{args.device} (a CPU's blocks)"] = steps(args.device, args, False)
         runs["cpu"] = steps("cpu", args, False)
     for device, seconds in runs.items():
         later = seconds[1:]
@@ -76,8 +87,28 @@ def main() -> None:
             f"(min {min(later):.3f}, max {max(later):.3f}), {torch.get_num_threads()} torch threads"
         )
     if args.device != "cpu":
-        ratio = statistics.median(runs["cpu"][1:]) / statistics.median(runs[args.device][1:])
+        device = statistics.median(runs[args.device][1:])
+        cpu_blocks = statistics.median(runs[f"{args.device} (a CPU's blocks)"][1:])
+        print(
+            f"blocks={cpu_blocks / device:.2f} ({args.device}: a CPU's block sizes / its own, "
+            f"median of rounds 2-{args.rounds})"
+        )
+        ratio = statistics.median(runs["cpu"][1:]) / device
         print(f"ratio={ratio:.2f} (cpu / {args.device}, median of rounds 2-{args.rounds})")
+
+
+@contextmanager
+def cpu_sized_blocks() -> Iterator[None]:
+    """The engine's CPU chunk and block sizes on every device (the baseline of the device's own)."""
+    saved = workloads.DEVICE_CHUNK_RECORDS, streaming._DEVICE_EXPLICIT_FLOATS
+    workloads.DEVICE_CHUNK_RECORDS, streaming._DEVICE_EXPLICIT_FLOATS = (
+        workloads.CHUNK_RECORDS,
+        streaming._EXPLICIT_FLOATS,
+    )
+    try:
+        yield
+    finally:
+        workloads.DEVICE_CHUNK_RECORDS, streaming._DEVICE_EXPLICIT_FLOATS = saved
 
 
 if __name__ == "__main__":

@@ -67,8 +67,23 @@ from workloads.models import trainable_mask
 # factors) are exact to a few float64 roundings. 1e-6 is twice the bound; tests/unit/test_isolation_audit.py
 # and test_streaming.py check observed errors against it (privacy.md §2).
 NORM_REL_ERROR = 1e-6
-# Floats of per-record rows per block of records: 2^25 floats is 128 MiB in float32.
+# Floats of per-record rows per block of records: 2^25 floats is 128 MiB in float32, on a CPU. On another
+# device (a GPU) a block costs a fixed few hundred launches and one host round trip (its weights), about
+# 20 ms from Python whatever its size, while its arithmetic is a few ms: 2^27 floats (512 MiB) there, so that
+# an agent's chunk of records is one block (the MNIST CNN: 7,514 records), not six
+# (benchmarks/campaign_step.py prints the step with both sizes on the device, and their ratio).
 _EXPLICIT_FLOATS = 1 << 25
+_DEVICE_EXPLICIT_FLOATS = 1 << 27
+
+
+def block_records(device: torch.device, row_floats: int) -> int:
+    """Records per block of explicit rows: :data:`_EXPLICIT_FLOATS` of rows on a CPU,
+    :data:`_DEVICE_EXPLICIT_FLOATS` elsewhere, at least one. Fixed by the device and the model's shape,
+    never by the data: every record, null or not, is in a block of the same size."""
+    cap = _EXPLICIT_FLOATS if device.type == "cpu" else _DEVICE_EXPLICIT_FLOATS
+    return max(1, cap // max(1, row_floats))
+
+
 _BLOCK_ROWS = 256  # rows per block for materialised rows (RowContributions): float64 temporaries of a few MB
 
 
@@ -339,7 +354,7 @@ def fused_clipped_sum(
                 _check_null_element(model, loss_fn, leaves, engine.buffers, xs[:1], ys[:1])
             kept = None if keep_all is None else keep_all[start : start + len(yb)]
             x, y, usable = _chunk_tensors(xb, yb, kept, valid=valid, device=dev, nulls=nulls)
-            step = max(1, _EXPLICIT_FLOATS // engine.row_floats())
+            step = block_records(dev, engine.row_floats())
             for i in range(0, x.shape[0], step):
                 blocks = engine.rows(x[i : i + step], y[i : i + step], usable[i : i + step])
                 b = min(step, x.shape[0] - i)

@@ -444,6 +444,57 @@ def test_a_gpus_run_lengths_give_the_cpus_norms_and_sum(monkeypatch: pytest.Monk
     assert rel(long_total, total) <= 1e-14
 
 
+def test_a_gpus_blocks_and_chunks_give_the_cpus_norms_and_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a client's chunk of records is one block of rows (a block costs launches and a host round trip
+    whatever its size); on a CPU blocks stay at 128 MiB of rows. The sizes come from the device and the model's
+    shape only, and forced on the CPU the GPU's sizes give the same norms and sum: a record's rows are its own
+    whatever block it is in, the block orders the float64 roundings only."""
+    from client_agent import workloads
+    from protocol import messages as wire
+
+    # The MNIST CNN's rows: 17,860 floats a record (its tapped layers' rows, inputs and outputs).
+    assert streaming.block_records(torch.device("cpu"), 17_860) == (1 << 25) // 17_860 == 1_878
+    assert streaming.block_records(torch.device("meta"), 17_860) == (1 << 27) // 17_860 == 7_514
+    assert streaming.block_records(torch.device("meta"), 1 << 30) == 1  # a row over the cap: one at a time
+    # The chunk the agent's record-unit pass reads, by device (a CUDA device, named without touching one).
+    request = wire.GradientRequest(
+        "r", "run", 1, 1.0, 0.5, "local", "record", "logreg", '{"in_features": 5, "n_classes": 3}',
+        np.zeros(18, dtype=np.float32),
+    )  # fmt: skip
+    source = ArraySource(np.zeros((3, 5), dtype=np.float32), np.zeros(3, dtype=np.int64))
+    on = {d: workloads.gradient_contributions(request, source, unit="record", device=d) for d in ("cpu", "cuda")}
+    assert [on[d].chunk_size for d in ("cpu", "cuda")] == [workloads.CHUNK_RECORDS, workloads.DEVICE_CHUNK_RECORDS]
+    assert (workloads.CHUNK_RECORDS, workloads.DEVICE_CHUNK_RECORDS) == (1024, 8192)
+
+    model = build_model("opacus_mnist_cnn", seed=0)
+    n = 2_000  # above a CPU block (1,878 records): two blocks in two chunks there, one on a GPU
+    x = torch.randn(n, 1, 28, 28, generator=torch.Generator().manual_seed(6)).numpy()
+    y = np.arange(n) % 10
+    x[5] = np.nan  # a null record, in either block
+
+    def weights(start: int, norms: np.ndarray) -> np.ndarray:
+        return np.minimum(1.0, 0.5 / np.maximum(norms, 1e-12))
+
+    real, blocks = streaming.block_records, []
+
+    def counted(device: torch.device, row_floats: int) -> int:
+        blocks.append(real(device, row_floats))
+        return blocks[-1]
+
+    monkeypatch.setattr(streaming, "block_records", counted)
+    norms, total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=workloads.CHUNK_RECORDS)
+    assert blocks == [1_878, 1_878]  # one a chunk (1,024 and 976 records), each under a CPU block
+    blocks.clear()
+    monkeypatch.setattr(streaming, "block_records", lambda device, row: counted(torch.device("meta"), row))
+    one_norms, one_total, _ = fused_clipped_sum(
+        model, LOSS, ArraySource(x, y), weights, chunk_size=workloads.DEVICE_CHUNK_RECORDS
+    )
+    assert blocks == [7_514]  # every record in one block
+    assert norms[5] == one_norms[5] == 0.0
+    np.testing.assert_allclose(one_norms, norms, rtol=streaming.NORM_REL_ERROR)
+    assert rel(one_total, total) <= 1e-6
+
+
 def test_null_records_have_norm_zero_and_contribute_nothing() -> None:
     model, x, y, _ = CASES["mlp+layernorm"]
     x, y = x.copy(), y.copy()
