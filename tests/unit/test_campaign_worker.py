@@ -1,0 +1,125 @@
+"""scripts/campaign_worker.sh: the CPU campaign's worker loop, against a stand-in for the campaign's CLI.
+
+The script runs in a copy of itself inside a throwaway git repository (it works from its own checkout), with
+``PY`` a shell script that records how it was called and exits with the codes the test gives it in turn:
+what each exit code of ``fedfilter reproduce fz-mnist --campaign --once`` makes the loop do, which code each
+job runs (a snapshot of the commit, never uncommitted work), and which options reach the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "campaign_worker.sh"
+
+FAKE = """#!/usr/bin/env bash
+# Record the call (arguments, the commit and source it was given, what that source holds), then exit with
+# the next code of codes.txt.
+here=$(dirname "$0")
+{ echo "ARGS $*"; echo "COMMIT $FEDFILTER_COMMIT"; echo "THREADS $OMP_NUM_THREADS"
+  echo "FILES $(cd "$PYTHONPATH" && ls | tr '\\n' ' ')"; } >> "$here/calls.txt"
+n=$(wc -l < "$here/used.txt" 2>/dev/null || echo 0)
+code=$(sed -n "$((n + 1))p" "$here/codes.txt")
+echo "$code" >> "$here/used.txt"
+exit "${code:-3}"
+"""
+
+
+def _repo(tmp_path: Path, codes: list[int]) -> tuple[Path, Path]:
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, repo / "scripts" / "campaign_worker.sh")
+    (repo / "committed.py").write_text("x = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "c"], check=True)
+    (repo / "uncommitted.py").write_text("x = 2\n")  # never in a job's source
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    (fake.parent / "codes.txt").write_text("".join(f"{c}\n" for c in codes))
+    return repo, fake
+
+
+def _run(repo: Path, fake: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {"PATH": os.environ["PATH"], "HOME": str(repo), "PY": str(fake), "WAIT_S": "0", **env}
+    return subprocess.run(
+        ["bash", str(repo / "scripts" / "campaign_worker.sh"), *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _calls(fake: Path) -> list[dict[str, str]]:
+    path = fake.parent / "calls.txt"
+    if not path.exists():
+        return []
+    calls: list[dict[str, str]] = []
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "ARGS":
+            calls.append({})
+        calls[-1][key] = value
+    return calls
+
+
+def test_the_worker_goes_on_after_a_job_waits_while_all_are_held_and_stops_when_all_are_done(tmp_path: Path) -> None:
+    repo, fake = _repo(tmp_path, [0, 5, 0, 3])
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    done = _run(repo, fake, "w1", ONLY="^trial/tuned/", DATA_DIR="/data/here")
+    assert done.returncode == 0, done.stderr
+    assert "every job it may take is done" in done.stdout
+    calls = _calls(fake)
+    assert len(calls) == 4  # a job, all held (waited), a job, nothing left
+    for call in calls:
+        assert call["COMMIT"] == head.strip()
+        assert call["THREADS"] == "1"
+        # The job's code is the commit's snapshot: the committed file, not the uncommitted one.
+        assert call["FILES"].split() == ["committed.py", "scripts"]
+        args = call["ARGS"].split()
+        assert args[:6] == ["-m", "simulations.cli", "reproduce", "fz-mnist", "--campaign", "--once"]
+        assert args[args.index("--only") + 1] == "^trial/tuned/"
+        assert args[args.index("--data-dir") + 1] == "/data/here"
+        assert args[args.index("--threads") + 1] == "1"
+        assert args[args.index("--results") + 1] == str(repo / "docs" / "results" / "fz_sec51.jsonl")
+        assert "--commit" in args
+    assert (repo / "fedfilter-out" / "src-w1" / "committed.py").exists()
+
+
+@pytest.mark.parametrize("code", [2, 4])
+def test_the_worker_stops_with_the_clis_code_when_a_job_failed_twice_or_the_call_was_wrong(
+    tmp_path: Path, code: int
+) -> None:
+    repo, fake = _repo(tmp_path, [0, code, 0])
+    done = _run(repo, fake, "w2")
+    assert done.returncode == code
+    assert f"exited {code}: stopping" in done.stdout
+    assert len(_calls(fake)) == 2
+    assert "--only" not in _calls(fake)[0]["ARGS"].split()  # no ONLY: every job
+
+
+def test_the_hold_file_stops_the_worker_before_its_next_job(tmp_path: Path) -> None:
+    repo, fake = _repo(tmp_path, [0])
+    (repo / "fedfilter-out").mkdir()
+    (repo / "fedfilter-out" / "campaign.hold").touch()
+    done = _run(repo, fake, "w3")
+    assert done.returncode == 0 and "campaign.hold: stopping" in done.stdout
+    assert _calls(fake) == []
+
+
+@pytest.mark.parametrize("name", ["", "../x", "a b"])
+def test_a_worker_name_that_is_not_a_plain_name_is_refused(tmp_path: Path, name: str) -> None:
+    repo, fake = _repo(tmp_path, [0])
+    done = _run(repo, fake, name)
+    assert done.returncode != 0
+    assert "W" in done.stderr
+    assert _calls(fake) == []
