@@ -61,3 +61,37 @@ def test_a_campaign_job_on_cuda_charges_and_learns_as_on_the_cpu(tmp_path: Path)
         assert len(c_rel) == len(g_rel)
         for a, b in zip(c_rel, g_rel, strict=True):
             np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-4 * clip)
+
+
+def test_one_gpu_block_gives_the_norms_and_sum_of_a_cpus_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client of 2,000 records of the MNIST CNN: two blocks of rows on the CPU (1,878 records a block), one on
+    the GPU (7,514), the same norms and clipped sum up to float32 rounding of different kernels."""
+    assert torch.cuda.is_available(), "pytest -m gpu: expected a CUDA device torch sees, found none"
+    from client_agent import streaming, workloads
+    from client_agent.streaming import ArraySource, fused_clipped_sum
+    from workloads.builtin import BUILTIN
+    from workloads.models import build_model
+
+    model = build_model("opacus_mnist_cnn", seed=0)
+    x = torch.randn(2_000, 1, 28, 28, generator=torch.Generator().manual_seed(6)).numpy()
+    y = np.arange(2_000) % 10
+
+    def weights(start: int, norms: np.ndarray) -> np.ndarray:
+        return np.minimum(1.0, 0.5 / np.maximum(norms, 1e-12))
+
+    real, blocks = streaming.block_records, []
+
+    def counted(device: torch.device, row_floats: int) -> int:
+        blocks.append((device.type, real(device, row_floats)))
+        return blocks[-1][1]
+
+    monkeypatch.setattr(streaming, "block_records", counted)
+    runs = {}
+    for device, chunk in (("cpu", workloads.CHUNK_RECORDS), ("cuda", workloads.DEVICE_CHUNK_RECORDS)):
+        runs[device] = fused_clipped_sum(
+            model, BUILTIN.loss, ArraySource(x, y), weights, chunk_size=chunk, device=device
+        )
+    assert blocks == [("cpu", 1_878), ("cpu", 1_878), ("cuda", 7_514)]
+    (cpu_norms, cpu_sum, _), (gpu_norms, gpu_sum, _) = runs["cpu"], runs["cuda"]
+    np.testing.assert_allclose(gpu_norms, cpu_norms, rtol=1e-4, atol=1e-6)
+    assert np.linalg.norm(gpu_sum - cpu_sum) <= 1e-4 * np.linalg.norm(cpu_sum)
