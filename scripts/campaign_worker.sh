@@ -12,11 +12,14 @@
 #   ONLY       a regular expression: take only jobs whose key it matches (default: any)
 #   THREADS    torch threads a job (default 1: two workers at one thread beat one at two, docs/results.md)
 #   DATA_DIR   the folder holding mnist/ (default ../shared/data beside the checkout, else fedfilter's default)
-#   PY         the interpreter (default .venv/bin/python)
+#   PY         the interpreter (default .venv/bin/python); it runs with -P, so that the job imports the
+#              snapshot (PYTHONPATH), not the checkout `python -m` would put first on sys.path
+#   WAIT_S     seconds to wait while every job it may take is another worker's (default 300)
+#   MAX_WAITS  waits in a row before it gives up (default 48: 4 hours; a GDP job waits for its gd+renyi
+#              twin, which may be no worker's)
 # It stops when fedfilter-out/campaign.hold exists (checked between jobs), when every job it may take is done
-# (exit 3 of --once), or when a job has failed twice (4); while every job it may take is another worker's (5)
-# it waits 5 minutes and asks again.
-set -u
+# (exit 3 of --once), when a job has failed twice (4), or after MAX_WAITS waits in a row (exit 5).
+set -u -o pipefail
 W=${1:?usage: campaign_worker.sh W (a name for this worker)}
 case $W in *[!A-Za-z0-9_-]* | '') echo "campaign_worker.sh: W: expected letters, digits, - or _, got '$W'" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.." || exit 2
@@ -26,18 +29,23 @@ THREADS=${THREADS:-1}
 if [ -z "${DATA_DIR:-}" ] && [ -d "$ROOT/../shared/data" ]; then DATA_DIR=$(cd "$ROOT/../shared/data" && pwd); fi
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 OMP_NUM_THREADS=$THREADS
 mkdir -p fedfilter-out
+waits=0
 while :; do
   if [ -e fedfilter-out/campaign.hold ]; then echo "campaign_worker.sh $W: fedfilter-out/campaign.hold: stopping"; exit 0; fi
   c=$(git rev-parse HEAD) || exit 2
   src=fedfilter-out/src-$W
   rm -rf "$src" && mkdir -p "$src" && git archive "$c" | tar -x -C "$src" || exit 2
   rc=0
-  FEDFILTER_COMMIT=$c PYTHONPATH=$ROOT/$src "$PY" -m simulations.cli reproduce fz-mnist --campaign --once --commit \
+  FEDFILTER_COMMIT=$c PYTHONPATH=$ROOT/$src "$PY" -P -m simulations.cli reproduce fz-mnist --campaign --once --commit \
     --threads "$THREADS" ${ONLY:+--only "$ONLY"} ${DATA_DIR:+--data-dir "$DATA_DIR"} \
     --results "$ROOT/docs/results/fz_sec51.jsonl" || rc=$?
   case $rc in
-    0) ;;                                   # a job landed (or failed once: the next pass tries it again)
-    5) sleep "${WAIT_S:-300}" ;;            # every job it may take is another worker's, for now
+    0) waits=0 ;;                           # a job landed (or failed once: the next pass tries it again)
+    5) waits=$((waits + 1))                 # every job it may take is another worker's, or waits for its twin
+       if [ "$waits" -gt "${MAX_WAITS:-48}" ]; then
+         echo "campaign_worker.sh $W: no job to take after $((waits - 1)) waits: stopping"; exit 5
+       fi
+       sleep "${WAIT_S:-300}" ;;
     3) echo "campaign_worker.sh $W: every job it may take is done"; exit 0 ;;
     *) echo "campaign_worker.sh $W: fedfilter reproduce fz-mnist exited $rc: stopping"; exit "$rc" ;;
   esac

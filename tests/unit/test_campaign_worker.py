@@ -2,8 +2,10 @@
 
 The script runs in a copy of itself inside a throwaway git repository (it works from its own checkout), with
 ``PY`` a shell script that records how it was called and exits with the codes the test gives it in turn:
-what each exit code of ``fedfilter reproduce fz-mnist --campaign --once`` makes the loop do, which code each
-job runs (a snapshot of the commit, never uncommitted work), and which options reach the CLI.
+what each exit code of ``fedfilter reproduce fz-mnist --campaign --once`` makes the loop do, and which options
+reach the CLI. With this interpreter and a committed ``simulations/cli.py`` of the repository's own, which code
+a job imports: the commit's snapshot, never the checkout's uncommitted edit (``python -m`` puts the working
+directory first on sys.path; the worker runs ``-P``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,7 +89,7 @@ def test_the_worker_goes_on_after_a_job_waits_while_all_are_held_and_stops_when_
         # The job's code is the commit's snapshot: the committed file, not the uncommitted one.
         assert call["FILES"].split() == ["committed.py", "scripts"]
         args = call["ARGS"].split()
-        assert args[:6] == ["-m", "simulations.cli", "reproduce", "fz-mnist", "--campaign", "--once"]
+        assert args[:7] == ["-P", "-m", "simulations.cli", "reproduce", "fz-mnist", "--campaign", "--once"]
         assert args[args.index("--only") + 1] == "^trial/tuned/"
         assert args[args.index("--data-dir") + 1] == "/data/here"
         assert args[args.index("--threads") + 1] == "1"
@@ -123,3 +126,33 @@ def test_a_worker_name_that_is_not_a_plain_name_is_refused(tmp_path: Path, name:
     assert done.returncode != 0
     assert "W" in done.stderr
     assert _calls(fake) == []
+
+
+def test_a_worker_gives_up_after_max_waits_in_a_row_and_a_landed_job_resets_the_count(tmp_path: Path) -> None:
+    repo, fake = _repo(tmp_path, [5, 5, 0, 5, 5, 5])
+    done = _run(repo, fake, "w4", MAX_WAITS="2")
+    assert done.returncode == 5
+    assert "no job to take after 2 waits: stopping" in done.stdout
+    assert len(_calls(fake)) == 6  # two waits, a job, two waits, and the third 5 that ends it
+
+
+CLI = """import os, sys
+with open(os.environ["RAN_FILE"], "a") as fh:
+    fh.write(f"{__file__} {MARK}\\n")
+sys.exit(3)
+"""
+
+
+def test_a_job_imports_the_commits_snapshot_not_the_checkouts_uncommitted_edit(tmp_path: Path) -> None:
+    repo, _ = _repo(tmp_path, [])
+    (repo / "simulations").mkdir()
+    (repo / "simulations" / "__init__.py").write_text("")
+    (repo / "simulations" / "cli.py").write_text(CLI.replace("MARK", "'committed'"))
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "cli"], check=True)
+    (repo / "simulations" / "cli.py").write_text(CLI.replace("MARK", "'UNCOMMITTED'"))  # an edit, not committed
+    ran = tmp_path / "ran.txt"
+    done = _run(repo, Path(sys.executable), "w5", RAN_FILE=str(ran))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ran.read_text().split() == [str(repo / "fedfilter-out" / "src-w5" / "simulations" / "cli.py"), "committed"]
