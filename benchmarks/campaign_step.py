@@ -6,7 +6,7 @@ This script runs ``--rounds`` rounds on ``--device`` and prints each round's sec
 ``duration_s``; round 1 apart, it decides each agent's plan on synthetic records). When the device is not
 the CPU it then runs the same rounds on the CPU in the same process and prints ``ratio=<cpu / device>``
 (above 1: the device is faster), and before that the same rounds on the device with a CPU's block sizes
-(1,024-record chunks, 2^25 floats of rows a block: six blocks a client, not one) and
+(1,024-record chunks, 2^25 floats of rows a block: six blocks a client, not two) and
 ``blocks=<cpu-sized / device-sized>`` (above 1: the device's larger blocks are faster). ``--profile``:
 torch.profiler over the device's rounds, the 25 operators of most self time (CUDA time first on a GPU)
 -> stdout: where a step goes.

@@ -70,8 +70,10 @@ NORM_REL_ERROR = 1e-6
 # Floats of per-record rows per block of records: 2^25 floats is 128 MiB in float32, on a CPU. On another
 # device (a GPU) a block costs a fixed few hundred launches and one host round trip (its weights), about
 # 20 ms from Python whatever its size, while its arithmetic is a few ms: 2^27 floats (512 MiB) there, so that
-# an agent's chunk of records is one block (the MNIST CNN: 7,514 records), not six
-# (benchmarks/campaign_step.py prints the step with both sizes on the device, and their ratio).
+# a chunk is one block (the MNIST CNN: up to 7,514 records; a campaign client of 6,000 records, in chunks of
+# 4,924 at the default policy-max-activation-mb, is two blocks, not six) (benchmarks/campaign_step.py prints the
+# step with both sizes on the device, and their ratio). The bound is on floats: a float64 model's rows take
+# twice the bytes, and a record whose own rows exceed it is a block alone.
 _EXPLICIT_FLOATS = 1 << 25
 _DEVICE_EXPLICIT_FLOATS = 1 << 27
 
@@ -343,7 +345,8 @@ def fused_clipped_sum(
         start = 0
         for xb, yb in source.batches(chunk_size):
             if not method:  # data-independent: the plan, then the null element, on synthetic records
-                xs, ys = _as_tensor(batch_tensor(xb)).to(dev), _as_tensor(batch_tensor(yb)).to(dev)
+                # One record's shapes and dtypes (its values are never read): not the whole chunk on the device.
+                xs, ys = _as_tensor(batch_tensor(xb))[:1].to(dev), _as_tensor(batch_tensor(yb))[:1].to(dev)
                 plan = engine.decide(xs, ys, key=plan_key)
                 if not hooks:
                     plan = engine.plan = engine.direct_plan()
@@ -454,6 +457,9 @@ def _check_null_element(
 
 
 ACTIVATION_COPIES = 4  # a chunk holds its activations, their backprops, the captured inputs and float64 temporaries
+# A chunk's records themselves (_chunk_tensors): the source's batch, its converted copy (float32 features, int64
+# targets), and on the device the moved chunk and the one with its null records zeroed.
+RECORD_COPIES = 4
 
 
 def activation_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> int | None:
@@ -505,7 +511,8 @@ def chunk_for_budget(
     model: nn.Module, loss_fn: LossFn, source: RecordSource, *, budget_bytes: int, most: int = 1024
 ) -> int:
     """The most records per chunk (at most ``most``) whose activations, backprops, captured inputs and
-    temporaries fit ``budget_bytes``, from two records of the source's shapes (:func:`activation_bytes`).
+    temporaries (:func:`activation_bytes` of two records of the source's shapes, :data:`ACTIVATION_COPIES`),
+    and the records' own copies (:data:`RECORD_COPIES` of a record as the pass holds it), fit ``budget_bytes``.
 
     The coordinator chooses the model and its arguments (e.g. a wide hidden layer repeated): the
     chunk shrinks to the owner's budget, and a model whose single record exceeds it is refused
@@ -523,7 +530,8 @@ def chunk_for_budget(
     measured = activation_bytes(model, loss_fn, x2, y2)
     if measured is None:
         return 1
-    per_record = max(1, ACTIVATION_COPIES * measured // 2)
+    record = x1[:1].numel() * 4 + y1[:1].numel() * 8  # float32 features and an int64 (or float32) target
+    per_record = max(1, ACTIVATION_COPIES * measured // 2 + RECORD_COPIES * record)
     chunk = min(most, budget_bytes // per_record)
     if chunk < 1:
         raise PolicyError(

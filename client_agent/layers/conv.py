@@ -100,7 +100,13 @@ class ConvKind:
         return DenseRows(rows, {"weight": to_param})
 
     def row_floats(self, m: nn.Module, a_shape: tuple[int, ...]) -> int:
-        return sum(p.numel() for p in m.parameters(recurse=False))
+        """The record's rows as :meth:`rows` forms them: a record whose forward folds ``per`` items into the
+        convolution's batch (input ``(per, C, *spatial)``) has ``per`` weight rows before they are summed."""
+        spatial = 1 if isinstance(m, nn.Conv1d) else 2
+        per = 1
+        for n in a_shape[: max(0, len(a_shape) - spatial - 1)]:
+            per *= int(n)
+        return max(1, per) * sum(p.numel() for p in m.parameters(recurse=False))
 
 
 KIND = ConvKind()

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -445,11 +446,12 @@ def test_a_gpus_run_lengths_give_the_cpus_norms_and_sum(monkeypatch: pytest.Monk
 
 
 def test_a_gpus_blocks_and_chunks_give_the_cpus_norms_and_sum(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU a client's chunk of records is one block of rows (a block costs launches and a host round trip
-    whatever its size); on a CPU blocks stay at 128 MiB of rows. The sizes come from the device and the model's
-    shape only, and forced on the CPU the GPU's sizes give the same norms and sum: a record's rows are its own
-    whatever block it is in, the block orders the float64 roundings only."""
-    from client_agent import workloads
+    """On a GPU a chunk of records is one block of rows (a block costs launches and a host round trip whatever
+    its size); on a CPU blocks stay at 128 MiB of rows. The sizes come from the device, the model's shape and
+    the owner's activation budget only, and forced on the CPU the GPU's sizes give the same norms and sum: a
+    record's rows are its own whatever block it is in, the block orders the float64 roundings only."""
+    from client_agent import isolation, workloads
+    from client_agent.streaming import chunk_for_budget
     from protocol import messages as wire
 
     # The MNIST CNN's rows: 17,860 floats a record (its tapped layers' rows, inputs and outputs).
@@ -467,32 +469,108 @@ def test_a_gpus_blocks_and_chunks_give_the_cpus_norms_and_sum(monkeypatch: pytes
     assert (workloads.CHUNK_RECORDS, workloads.DEVICE_CHUNK_RECORDS) == (1024, 8192)
 
     model = build_model("opacus_mnist_cnn", seed=0)
-    n = 2_000  # above a CPU block (1,878 records): two blocks in two chunks there, one on a GPU
+    n = 6_000  # a campaign client
     x = torch.randn(n, 1, 28, 28, generator=torch.Generator().manual_seed(6)).numpy()
     y = np.arange(n) % 10
-    x[5] = np.nan  # a null record, in either block
+    x[5] = np.nan  # a null record
+    # The agent's chunk at the default policy-max-activation-mb (2048): 211,756 bytes of activations for two
+    # records, 4 copies of half of it and 4 of a record (784 float32 features, an int64 label) a record.
+    budget = 2048 << 20
+    per_record = 4 * 211_756 // 2 + 4 * (784 * 4 + 8)
+    cpu_chunk = chunk_for_budget(model, LOSS, ArraySource(x, y), budget_bytes=budget, most=workloads.CHUNK_RECORDS)
+    gpu_chunk = chunk_for_budget(
+        model, LOSS, ArraySource(x, y), budget_bytes=budget, most=workloads.DEVICE_CHUNK_RECORDS
+    )
+    assert (cpu_chunk, gpu_chunk) == (1_024, budget // per_record) == (1_024, 4_924)
 
     def weights(start: int, norms: np.ndarray) -> np.ndarray:
         return np.minimum(1.0, 0.5 / np.maximum(norms, 1e-12))
 
-    real, blocks = streaming.block_records, []
+    real_rows, blocks = isolation.PerRecord.rows, []
 
-    def counted(device: torch.device, row_floats: int) -> int:
-        blocks.append(real(device, row_floats))
-        return blocks[-1]
+    def counted(self: isolation.PerRecord, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor) -> Any:
+        blocks.append(xb.shape[0])
+        return real_rows(self, xb, yb, wb)
 
-    monkeypatch.setattr(streaming, "block_records", counted)
-    norms, total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=workloads.CHUNK_RECORDS)
-    assert blocks == [1_878, 1_878]  # one a chunk (1,024 and 976 records), each under a CPU block
+    monkeypatch.setattr(isolation.PerRecord, "rows", counted)
+    norms, total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=cpu_chunk)
+    # The plan's check on synthetic records first, then a block a chunk, each under a CPU block (1,878).
+    assert blocks == [isolation.SYNTHETIC] + [1_024] * 5 + [880]
     blocks.clear()
-    monkeypatch.setattr(streaming, "block_records", lambda device, row: counted(torch.device("meta"), row))
-    one_norms, one_total, _ = fused_clipped_sum(
-        model, LOSS, ArraySource(x, y), weights, chunk_size=workloads.DEVICE_CHUNK_RECORDS
-    )
-    assert blocks == [7_514]  # every record in one block
-    assert norms[5] == one_norms[5] == 0.0
-    np.testing.assert_allclose(one_norms, norms, rtol=streaming.NORM_REL_ERROR)
-    assert rel(one_total, total) <= 1e-6
+    real_block = streaming.block_records
+    monkeypatch.setattr(streaming, "block_records", lambda device, row: real_block(torch.device("meta"), row))
+    gpu_norms, gpu_total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=gpu_chunk)
+    assert blocks == [isolation.SYNTHETIC, 4_924, 1_076]  # a GPU block a chunk: two, not six
+    assert norms[5] == gpu_norms[5] == 0.0
+    np.testing.assert_allclose(gpu_norms, norms, rtol=streaming.NORM_REL_ERROR)
+    assert rel(gpu_total, total) <= 1e-12  # the float64 sums' order only (9e-16 seen)
+
+
+class _FoldedConv(nn.Module):
+    """A record of 8 patches (8, 1, 6, 6), folded into the convolution's batch: 8 weight rows a record, summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.head = nn.Linear(4 * 16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        h = torch.relu(self.conv(x.reshape(b * 8, 1, 6, 6)))
+        return self.head(h.reshape(b, 8, -1).sum(dim=1))
+
+
+def test_a_records_folded_conv_rows_are_counted_before_they_are_summed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding: a record that folds items into a convolution's batch forms one weight row per item
+    before summing them, and the blocks were sized to one row a record (a model of the coordinator's choice
+    could then take many times the block's memory). The block now counts every item's row, and the rows the
+    pass forms stay within it."""
+    from client_agent.isolation import PerRecord
+
+    torch.manual_seed(0)
+    model = _FoldedConv()
+    x = torch.randn(30, 8, 1, 6, 6, generator=torch.Generator().manual_seed(1)).numpy()
+    y = np.arange(30) % 3
+    engine = PerRecord(model, LOSS, torch.device("cpu"))
+    engine.decide(torch.from_numpy(x[:2]), torch.from_numpy(y[:2]))
+    (tapped,) = [t for t in engine.plan.tapped if t.name == "conv"]  # type: ignore[union-attr]
+    assert tapped.in_shape == (8, 1, 6, 6)
+    assert conv.KIND.row_floats(tapped.module, tapped.in_shape) == 8 * (4 * 9 + 4)
+    assert conv.KIND.row_floats(nn.Conv2d(1, 4, 3), (1, 1, 6, 6)) == 4 * 9 + 4  # one item: one row
+
+    cap = 3 * engine.row_floats()  # three records a block
+    monkeypatch.setattr(streaming, "_EXPLICIT_FLOATS", cap)
+    formed: list[int] = []
+    real_rows = conv.ConvKind.rows
+
+    def spy(self: conv.ConvKind, m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> Any:
+        formed.append(a.shape[0] * a.shape[1] * g.shape[2] * a.shape[2] * 9)  # B x per x c_out x (C k k)
+        return real_rows(self, m, a, g)
+
+    monkeypatch.setattr(conv.ConvKind, "rows", spy)
+    weights = clipping_weights(0.5, np.zeros(30, dtype=bool))
+    norms, total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights)
+    assert formed and max(formed) <= cap  # before the fix: 8x the rows the block was sized for
+    rows = reference_rows(model, x, y).numpy()
+    np.testing.assert_allclose(norms, np.linalg.norm(rows, axis=1), rtol=1e-5)
+    assert rel(total, weights(0, norms) @ rows) <= 1e-5
+
+
+def test_a_chunk_counts_its_records_own_bytes_not_only_the_models_activations() -> None:
+    """Review finding: a model that pools its input first measures almost no activations, and on a GPU a chunk
+    of 8,192 records of 3 x 512 x 512 would hold 24 GiB of inputs per copy, outside policy-max-activation-mb.
+    The chunk now pays for RECORD_COPIES of each record as well."""
+    from client_agent.streaming import ACTIVATION_COPIES, RECORD_COPIES, activation_bytes, chunk_for_budget
+
+    model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 2))
+    x, y = np.zeros((4, 3, 64, 64), np.float32), np.zeros(4, np.int64)
+    measured = activation_bytes(model, LOSS, torch.from_numpy(x[:2]), torch.from_numpy(y[:2]))
+    assert measured is not None and measured < 1_000  # the pooled model's own tensors: a few hundred bytes
+    per_record = ACTIVATION_COPIES * measured // 2 + RECORD_COPIES * (3 * 64 * 64 * 4 + 8)
+    budget = 1 << 20
+    chunk = chunk_for_budget(model, LOSS, ArraySource(x, y), budget_bytes=budget, most=8192)
+    assert chunk == budget // per_record == 5  # without the records' bytes: 8,192
+    assert chunk * RECORD_COPIES * 3 * 64 * 64 * 4 <= budget
 
 
 def test_null_records_have_norm_zero_and_contribute_nothing() -> None:
