@@ -535,8 +535,8 @@ def chunk_for_budget(
     chunk = min(most, budget_bytes // per_record)
     if chunk < 1:
         raise PolicyError(
-            f"model: one record's activations need about {per_record >> 20} MiB, above policy-max-activation-mb "
-            f"({budget_bytes >> 20} MiB)"
+            f"model: one record's activations and copies need about {per_record >> 20} MiB, above "
+            f"policy-max-activation-mb ({budget_bytes >> 20} MiB)"
         )
     return int(chunk)
 
