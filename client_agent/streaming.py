@@ -530,7 +530,8 @@ def chunk_for_budget(
     measured = activation_bytes(model, loss_fn, x2, y2)
     if measured is None:
         return 1
-    record = x1[:1].numel() * 4 + y1[:1].numel() * 8  # float32 features and an int64 (or float32) target
+    # As the pass holds a record (_as_tensor): float32 features, or int64 ids; an int64 (or float32) target.
+    record = x1[:1].numel() * (4 if x1.is_floating_point() else 8) + y1[:1].numel() * 8
     per_record = max(1, ACTIVATION_COPIES * measured // 2 + RECORD_COPIES * record)
     chunk = min(most, budget_bytes // per_record)
     if chunk < 1:
