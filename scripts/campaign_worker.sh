@@ -12,8 +12,9 @@
 #   ONLY       a regular expression: take only jobs whose key it matches (default: any)
 #   THREADS    torch threads a job (default 1: two workers at one thread beat one at two, docs/results.md)
 #   DATA_DIR   the folder holding mnist/ (default ../shared/data beside the checkout, else fedfilter's default)
-#   PY         the interpreter (default .venv/bin/python); it runs with -P, so that the job imports the
-#              snapshot (PYTHONPATH), not the checkout `python -m` would put first on sys.path
+#   PY         the interpreter (default .venv/bin/python). A job imports the snapshot only: it runs with -P
+#              (`python -m` would put the checkout first on sys.path), and without the editable install's
+#              finder, which would find a module the snapshot lacks in the checkout
 #   WAIT_S     seconds to wait while every job it may take is another worker's (default 300)
 #   MAX_WAITS  waits in a row before it gives up (default 48: 4 hours; a GDP job waits for its gd+renyi
 #              twin, which may be no worker's)
@@ -26,6 +27,15 @@ cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 PY=${PY:-$ROOT/.venv/bin/python}
 THREADS=${THREADS:-1}
+for v in THREADS WAIT_S MAX_WAITS; do
+  case ${!v:-1} in *[!0-9]* | '') echo "campaign_worker.sh: $v: expected a whole number, got '${!v}'" >&2; exit 2 ;; esac
+done
+# The job's interpreter: no editable-install finder (project modules come from PYTHONPATH, the snapshot, or not
+# at all), then the CLI as `python -m simulations.cli` would run it.
+BOOT='import runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if not str(getattr(f, "__module__", "")).startswith("__editable__")]
+sys.path[:] = [p for p in sys.path if not p.startswith("__editable__")]
+runpy.run_module("simulations.cli", run_name="__main__", alter_sys=True)'
 if [ -z "${DATA_DIR:-}" ] && [ -d "$ROOT/../shared/data" ]; then DATA_DIR=$(cd "$ROOT/../shared/data" && pwd); fi
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 OMP_NUM_THREADS=$THREADS
 mkdir -p fedfilter-out
@@ -36,7 +46,7 @@ while :; do
   src=fedfilter-out/src-$W
   rm -rf "$src" && mkdir -p "$src" && git archive "$c" | tar -x -C "$src" || exit 2
   rc=0
-  FEDFILTER_COMMIT=$c PYTHONPATH=$ROOT/$src "$PY" -P -m simulations.cli reproduce fz-mnist --campaign --once --commit \
+  FEDFILTER_COMMIT=$c PYTHONPATH=$ROOT/$src "$PY" -P -c "$BOOT" reproduce fz-mnist --campaign --once --commit \
     --threads "$THREADS" ${ONLY:+--only "$ONLY"} ${DATA_DIR:+--data-dir "$DATA_DIR"} \
     --results "$ROOT/docs/results/fz_sec51.jsonl" || rc=$?
   case $rc in

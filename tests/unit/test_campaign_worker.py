@@ -21,10 +21,14 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "campaign_worker.sh"
 
 FAKE = """#!/usr/bin/env bash
-# Record the call (arguments, the commit and source it was given, what that source holds), then exit with
-# the next code of codes.txt.
+# Record the call (the interpreter's options, the CLI's arguments, the commit and source it was given, what
+# that source holds), then exit with the next code of codes.txt.
 here=$(dirname "$0")
-{ echo "ARGS $*"; echo "COMMIT $FEDFILTER_COMMIT"; echo "THREADS $OMP_NUM_THREADS"
+opts=""
+while [ "$1" = -P ] || [ "$1" = -c ]; do
+  if [ "$1" = -c ]; then opts="$opts -c"; shift 2; else opts="$opts $1"; shift; fi
+done
+{ echo "ARGS $*"; echo "OPTS$opts"; echo "COMMIT $FEDFILTER_COMMIT"; echo "THREADS $OMP_NUM_THREADS"
   echo "FILES $(cd "$PYTHONPATH" && ls | tr '\\n' ' ')"; } >> "$here/calls.txt"
 n=$(wc -l < "$here/used.txt" 2>/dev/null || echo 0)
 code=$(sed -n "$((n + 1))p" "$here/codes.txt")
@@ -89,7 +93,8 @@ def test_the_worker_goes_on_after_a_job_waits_while_all_are_held_and_stops_when_
         # The job's code is the commit's snapshot: the committed file, not the uncommitted one.
         assert call["FILES"].split() == ["committed.py", "scripts"]
         args = call["ARGS"].split()
-        assert args[:7] == ["-P", "-m", "simulations.cli", "reproduce", "fz-mnist", "--campaign", "--once"]
+        assert call["OPTS"].split() == ["-P", "-c"]  # no checkout on sys.path; the bootstrap runs the CLI
+        assert args[:4] == ["reproduce", "fz-mnist", "--campaign", "--once"]
         assert args[args.index("--only") + 1] == "^trial/tuned/"
         assert args[args.index("--data-dir") + 1] == "/data/here"
         assert args[args.index("--threads") + 1] == "1"
@@ -137,8 +142,13 @@ def test_a_worker_gives_up_after_max_waits_in_a_row_and_a_landed_job_resets_the_
 
 
 CLI = """import os, sys
+try:  # in the checkout's editable install, not in the snapshot: a job must not find it
+    import client_agent
+    found = client_agent.__file__
+except ModuleNotFoundError:
+    found = "none"
 with open(os.environ["RAN_FILE"], "a") as fh:
-    fh.write(f"{__file__} {MARK}\\n")
+    fh.write(f"{__file__} {MARK} {found} {sys.argv[1:4]!r}\\n".replace(" ", "|", 3))
 sys.exit(3)
 """
 
@@ -155,4 +165,15 @@ def test_a_job_imports_the_commits_snapshot_not_the_checkouts_uncommitted_edit(t
     ran = tmp_path / "ran.txt"
     done = _run(repo, Path(sys.executable), "w5", RAN_FILE=str(ran))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert ran.read_text().split() == [str(repo / "fedfilter-out" / "src-w5" / "simulations" / "cli.py"), "committed"]
+    file, mark, found, args = ran.read_text().strip().split("|")
+    assert (file, mark) == (str(repo / "fedfilter-out" / "src-w5" / "simulations" / "cli.py"), "committed")
+    assert found == "none"  # the editable install's finder would have found the checkout's client_agent
+    assert args == "['reproduce', 'fz-mnist', '--campaign']"  # the CLI sees its arguments as under -m
+
+
+@pytest.mark.parametrize("var", ["THREADS", "WAIT_S", "MAX_WAITS"])
+def test_a_count_that_is_not_a_whole_number_is_refused_by_name(tmp_path: Path, var: str) -> None:
+    repo, fake = _repo(tmp_path, [0])
+    done = _run(repo, fake, "w6", **{var: "4x"})
+    assert done.returncode == 2 and f"{var}: expected a whole number, got '4x'" in done.stderr
+    assert _calls(fake) == []
