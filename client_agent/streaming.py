@@ -71,7 +71,7 @@ NORM_REL_ERROR = 1e-6
 # device (a GPU) a block costs a fixed few hundred launches and one host round trip (its weights), about
 # 20 ms from Python whatever its size, while its arithmetic is a few ms: 2^27 floats (512 MiB) there, so that
 # a chunk is one block (the MNIST CNN: up to 7,514 records; a campaign client of 6,000 records, in chunks of
-# 4,924 at the default policy-max-activation-mb, is two blocks, not six) (benchmarks/campaign_step.py prints the
+# 4,889 at the default policy-max-activation-mb, is two blocks, not six) (benchmarks/campaign_step.py prints the
 # step with both sizes on the device, and their ratio). The bound is on floats: a float64 model's rows take
 # twice the bytes, and a record whose own rows exceed it is a block alone.
 _EXPLICIT_FLOATS = 1 << 25
@@ -345,8 +345,9 @@ def fused_clipped_sum(
         start = 0
         for xb, yb in source.batches(chunk_size):
             if not method:  # data-independent: the plan, then the null element, on synthetic records
-                # One record's shapes and dtypes (its values are never read): not the whole chunk on the device.
-                xs, ys = _as_tensor(batch_tensor(xb))[:1].to(dev), _as_tensor(batch_tensor(yb))[:1].to(dev)
+                # One record's shapes and dtypes (its values are never read), converted alone: not a view that
+                # would keep the whole converted chunk alive for the pass.
+                xs, ys = _as_tensor(batch_tensor(xb[:1])).to(dev), _as_tensor(batch_tensor(yb[:1])).to(dev)
                 plan = engine.decide(xs, ys, key=plan_key)
                 if not hooks:
                     plan = engine.plan = engine.direct_plan()
@@ -371,6 +372,7 @@ def fused_clipped_sum(
                 norms_out[start + i : start + i + b] = norms.detach().cpu()
                 del blocks
             start += x.shape[0]
+            del x, y, usable  # before the next chunk's copies are made (chunk_for_budget counts one chunk)
     if start != n or weigh.next != n:
         raise ValueError(f"source: expected {n} records from batches(), got {start}")
     out = total.cpu().numpy()
@@ -457,9 +459,12 @@ def _check_null_element(
 
 
 ACTIVATION_COPIES = 4  # a chunk holds its activations, their backprops, the captured inputs and float64 temporaries
-# A chunk's records themselves (_chunk_tensors): the source's batch, its converted copy (float32 features, int64
-# targets), and on the device the moved chunk and the one with its null records zeroed.
-RECORD_COPIES = 4
+# A chunk's records themselves (_chunk_tensors), at most: in the source's own dtype, a writable copy of a
+# read-only batch and the copy with its stopped records zeroed; converted (float32 features, int64 ids and
+# targets), the converted chunk and, on the device, the moved one and the one with its null records zeroed.
+# The pass drops a chunk's tensors before it reads the next.
+SOURCE_COPIES = 2
+CONVERTED_COPIES = 3
 
 
 def activation_bytes(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> int | None:
@@ -503,7 +508,7 @@ def record_shapes(source: RecordSource) -> tuple[object, ...]:
     if len(source) == 0:
         return ()
     xb, yb = next(iter(source.batches(1)))
-    x1, y1 = _as_tensor(xb), _as_tensor(yb)
+    x1, y1 = batch_tensor(xb), batch_tensor(yb)  # the source's own dtypes: the chunk's copies are sized by them
     return (tuple(x1.shape[1:]), str(x1.dtype), tuple(y1.shape[1:]), str(y1.dtype))
 
 
@@ -512,7 +517,7 @@ def chunk_for_budget(
 ) -> int:
     """The most records per chunk (at most ``most``) whose activations, backprops, captured inputs and
     temporaries (:func:`activation_bytes` of two records of the source's shapes, :data:`ACTIVATION_COPIES`),
-    and the records' own copies (:data:`RECORD_COPIES` of a record as the pass holds it), fit ``budget_bytes``.
+    and the records' own copies (:data:`SOURCE_COPIES` and :data:`CONVERTED_COPIES`), fit ``budget_bytes``.
 
     The coordinator chooses the model and its arguments (e.g. a wide hidden layer repeated): the
     chunk shrinks to the owner's budget, and a model whose single record exceeds it is refused
@@ -530,9 +535,13 @@ def chunk_for_budget(
     measured = activation_bytes(model, loss_fn, x2, y2)
     if measured is None:
         return 1
-    # As the pass holds a record (_as_tensor): float32 features, or int64 ids; an int64 (or float32) target.
-    record = x1[:1].numel() * (4 if x1.is_floating_point() else 8) + y1[:1].numel() * 8
-    per_record = max(1, ACTIVATION_COPIES * measured // 2 + RECORD_COPIES * record)
+    # A record's copies (SOURCE_COPIES in the source's dtypes, CONVERTED_COPIES as _as_tensor gives them).
+    xs0, ys0 = batch_tensor(xb), batch_tensor(yb)
+    record = sum(
+        s[:1].numel() * (SOURCE_COPIES * s.element_size() + CONVERTED_COPIES * c.element_size())
+        for s, c in ((xs0, x1), (ys0, y1))
+    )
+    per_record = max(1, ACTIVATION_COPIES * measured // 2 + record)
     chunk = min(most, budget_bytes // per_record)
     if chunk < 1:
         raise PolicyError(

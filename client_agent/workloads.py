@@ -40,7 +40,7 @@ from workloads.registry import DataSource, QueryArgs, Workload, WorkloadError, b
 # Records per chunk of a record-unit gradient pass (each chunk is read, moved and validated at once), at most:
 # 1,024 on a CPU; on another device (a GPU) 8,192, so that a chunk can fill a block of rows there
 # (streaming._DEVICE_EXPLICIT_FLOATS) and a client of a few thousand records is a pass of few launches. The
-# owner's policy-max-activation-mb lowers either (the MNIST CNN at the default 2048: 4,924 on a GPU). Fixed by
+# owner's policy-max-activation-mb lowers either (the MNIST CNN at the default 2048: 4,889 on a GPU). Fixed by
 # the device, the model's shape and the policy, never by the data.
 CHUNK_RECORDS = 1024
 DEVICE_CHUNK_RECORDS = 8192

@@ -474,14 +474,15 @@ def test_a_gpus_blocks_and_chunks_give_the_cpus_norms_and_sum(monkeypatch: pytes
     y = np.arange(n) % 10
     x[5] = np.nan  # a null record
     # The agent's chunk at the default policy-max-activation-mb (2048): 211,756 bytes of activations for two
-    # records, 4 copies of half of it and 4 of a record (784 float32 features, an int64 label) a record.
+    # records (4 copies of half of it a record), and a record's copies: 784 float32 features and an int64
+    # label, 2 copies as the source holds them and 3 converted.
     budget = 2048 << 20
-    per_record = 4 * 211_756 // 2 + 4 * (784 * 4 + 8)
+    per_record = 4 * 211_756 // 2 + 784 * (2 * 4 + 3 * 4) + (2 * 8 + 3 * 8)
     cpu_chunk = chunk_for_budget(model, LOSS, ArraySource(x, y), budget_bytes=budget, most=workloads.CHUNK_RECORDS)
     gpu_chunk = chunk_for_budget(
         model, LOSS, ArraySource(x, y), budget_bytes=budget, most=workloads.DEVICE_CHUNK_RECORDS
     )
-    assert (cpu_chunk, gpu_chunk) == (1_024, budget // per_record) == (1_024, 4_924)
+    assert (cpu_chunk, gpu_chunk) == (1_024, budget // per_record) == (1_024, 4_889)
 
     def weights(start: int, norms: np.ndarray) -> np.ndarray:
         return np.minimum(1.0, 0.5 / np.maximum(norms, 1e-12))
@@ -492,32 +493,41 @@ def test_a_gpus_blocks_and_chunks_give_the_cpus_norms_and_sum(monkeypatch: pytes
         blocks.append(xb.shape[0])
         return real_rows(self, xb, yb, wb)
 
+    real_decide, decided = isolation.PerRecord.decide, []
+
+    def decide(self: isolation.PerRecord, xd: torch.Tensor, yd: torch.Tensor, **kw: Any) -> Any:
+        decided.append(xd.untyped_storage().nbytes())
+        return real_decide(self, xd, yd, **kw)
+
     monkeypatch.setattr(isolation.PerRecord, "rows", counted)
+    monkeypatch.setattr(isolation.PerRecord, "decide", decide)
     norms, total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=cpu_chunk)
+    assert decided == [784 * 4]  # one record's storage, not a view keeping the chunk alive for the pass
     # The plan's check on synthetic records first, then a block a chunk, each under a CPU block (1,878).
     assert blocks == [isolation.SYNTHETIC] + [1_024] * 5 + [880]
     blocks.clear()
     real_block = streaming.block_records
     monkeypatch.setattr(streaming, "block_records", lambda device, row: real_block(torch.device("meta"), row))
     gpu_norms, gpu_total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights, chunk_size=gpu_chunk)
-    assert blocks == [isolation.SYNTHETIC, 4_924, 1_076]  # a GPU block a chunk: two, not six
+    assert blocks == [isolation.SYNTHETIC, 4_889, 1_111]  # a GPU block a chunk: two, not six
     assert norms[5] == gpu_norms[5] == 0.0
     np.testing.assert_allclose(gpu_norms, norms, rtol=streaming.NORM_REL_ERROR)
     assert rel(gpu_total, total) <= 1e-12  # the float64 sums' order only (9e-16 seen)
 
 
 class _FoldedConv(nn.Module):
-    """A record of 8 patches (8, 1, 6, 6), folded into the convolution's batch: 8 weight rows a record, summed."""
+    """A record of 8 patches (8, 16, 3, 3), folded into a wide convolution's batch: 8 weight rows of 2,320
+    floats a record, summed, against 1,280 floats of the record's own input and output there."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.head = nn.Linear(4 * 16, 3)
+        self.conv = nn.Conv2d(16, 16, 3)
+        self.head = nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
-        h = torch.relu(self.conv(x.reshape(b * 8, 1, 6, 6)))
-        return self.head(h.reshape(b, 8, -1).sum(dim=1))
+        h = torch.relu(self.conv(x.reshape(b * 8, 16, 3, 3)))
+        return self.head(h.reshape(b, 8, 16).sum(dim=1))
 
 
 def test_a_records_folded_conv_rows_are_counted_before_they_are_summed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -529,14 +539,14 @@ def test_a_records_folded_conv_rows_are_counted_before_they_are_summed(monkeypat
 
     torch.manual_seed(0)
     model = _FoldedConv()
-    x = torch.randn(30, 8, 1, 6, 6, generator=torch.Generator().manual_seed(1)).numpy()
+    x = torch.randn(30, 8, 16, 3, 3, generator=torch.Generator().manual_seed(1)).numpy()
     y = np.arange(30) % 3
     engine = PerRecord(model, LOSS, torch.device("cpu"))
     engine.decide(torch.from_numpy(x[:2]), torch.from_numpy(y[:2]))
     (tapped,) = [t for t in engine.plan.tapped if t.name == "conv"]  # type: ignore[union-attr]
-    assert tapped.in_shape == (8, 1, 6, 6)
-    assert conv.KIND.row_floats(tapped.module, tapped.in_shape) == 8 * (4 * 9 + 4)
-    assert conv.KIND.row_floats(nn.Conv2d(1, 4, 3), (1, 1, 6, 6)) == 4 * 9 + 4  # one item: one row
+    assert tapped.in_shape == (8, 16, 3, 3)
+    assert conv.KIND.row_floats(tapped.module, tapped.in_shape) == 8 * (16 * 16 * 9 + 16)
+    assert conv.KIND.row_floats(nn.Conv2d(16, 16, 3), (1, 16, 3, 3)) == 16 * 16 * 9 + 16  # one item: one row
 
     cap = 3 * engine.row_floats()  # three records a block
     monkeypatch.setattr(streaming, "_EXPLICIT_FLOATS", cap)
@@ -550,27 +560,36 @@ def test_a_records_folded_conv_rows_are_counted_before_they_are_summed(monkeypat
     monkeypatch.setattr(conv.ConvKind, "rows", spy)
     weights = clipping_weights(0.5, np.zeros(30, dtype=bool))
     norms, total, _ = fused_clipped_sum(model, LOSS, ArraySource(x, y), weights)
-    assert formed and max(formed) <= cap  # before the fix: 8x the rows the block was sized for
+    assert formed and max(formed) <= cap  # before the fix: 5x the rows the block was sized for
     rows = reference_rows(model, x, y).numpy()
     np.testing.assert_allclose(norms, np.linalg.norm(rows, axis=1), rtol=1e-5)
     assert rel(total, weights(0, norms) @ rows) <= 1e-5
 
 
-def test_a_chunk_counts_its_records_own_bytes_not_only_the_models_activations() -> None:
+@pytest.mark.parametrize(("dtype", "want"), [(np.float32, 4), (np.float64, 3)])
+def test_a_chunk_counts_its_records_own_bytes_not_only_the_models_activations(dtype: type, want: int) -> None:
     """Review finding: a model that pools its input first measures almost no activations, and on a GPU a chunk
     of 8,192 records of 3 x 512 x 512 would hold 24 GiB of inputs per copy, outside policy-max-activation-mb.
-    The chunk now pays for RECORD_COPIES of each record as well."""
-    from client_agent.streaming import ACTIVATION_COPIES, RECORD_COPIES, activation_bytes, chunk_for_budget
+    The chunk now pays for each record's copies as well: SOURCE_COPIES in the source's dtype (a float64 source
+    costs more), CONVERTED_COPIES as the pass converts them (float32 features, int64 labels)."""
+    from client_agent.streaming import (
+        ACTIVATION_COPIES,
+        CONVERTED_COPIES,
+        SOURCE_COPIES,
+        activation_bytes,
+        chunk_for_budget,
+    )
 
     model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 2))
-    x, y = np.zeros((4, 3, 64, 64), np.float32), np.zeros(4, np.int64)
-    measured = activation_bytes(model, LOSS, torch.from_numpy(x[:2]), torch.from_numpy(y[:2]))
+    x, y = np.zeros((4, 3, 64, 64), dtype), np.zeros(4, np.int64)
+    measured = activation_bytes(model, LOSS, torch.zeros(2, 3, 64, 64), torch.zeros(2, dtype=torch.long))
     assert measured is not None and measured < 1_000  # the pooled model's own tensors: a few hundred bytes
-    per_record = ACTIVATION_COPIES * measured // 2 + RECORD_COPIES * (3 * 64 * 64 * 4 + 8)
+    size = np.dtype(dtype).itemsize
+    record = 3 * 64 * 64 * (SOURCE_COPIES * size + CONVERTED_COPIES * 4) + (SOURCE_COPIES + CONVERTED_COPIES) * 8
     budget = 1 << 20
     chunk = chunk_for_budget(model, LOSS, ArraySource(x, y), budget_bytes=budget, most=8192)
-    assert chunk == budget // per_record == 5  # without the records' bytes: 8,192
-    assert chunk * RECORD_COPIES * 3 * 64 * 64 * 4 <= budget
+    assert chunk == budget // (ACTIVATION_COPIES * measured // 2 + record) == want  # without the records: 8,192
+    assert chunk * record <= budget
 
 
 def test_null_records_have_norm_zero_and_contribute_nothing() -> None:
