@@ -530,13 +530,13 @@ def chunk_for_budget(
     if len(source) == 0:
         return most
     xb, yb = next(iter(source.batches(1)))
-    x1, y1 = _as_tensor(xb), _as_tensor(yb)
+    xs0, ys0 = batch_tensor(xb), batch_tensor(yb)  # the source's own dtypes
+    x1, y1 = _as_tensor(xs0), _as_tensor(ys0)
     x2, y2 = x1[:1].expand(2, *x1.shape[1:]), y1[:1].expand(2, *y1.shape[1:])
     measured = activation_bytes(model, loss_fn, x2, y2)
     if measured is None:
         return 1
     # A record's copies (SOURCE_COPIES in the source's dtypes, CONVERTED_COPIES as _as_tensor gives them).
-    xs0, ys0 = batch_tensor(xb), batch_tensor(yb)
     record = sum(
         s[:1].numel() * (SOURCE_COPIES * s.element_size() + CONVERTED_COPIES * c.element_size())
         for s, c in ((xs0, x1), (ys0, y1))

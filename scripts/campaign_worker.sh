@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One worker of issue 26's campaign (`fedfilter reproduce fz-mnist --campaign`) on this machine's CPU.
 #
+#   mkdir -p fedfilter-out
 #   nohup setsid nice -n 19 bash scripts/campaign_worker.sh 1 >> fedfilter-out/campaign-1.log 2>&1 < /dev/null &
 #   nohup setsid nice -n 19 bash scripts/campaign_worker.sh 2 >> fedfilter-out/campaign-2.log 2>&1 < /dev/null &
 #

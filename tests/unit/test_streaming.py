@@ -474,8 +474,11 @@ def test_a_gpus_blocks_and_chunks_give_the_cpus_norms_and_sum(monkeypatch: pytes
     y = np.arange(n) % 10
     x[5] = np.nan  # a null record
     # The agent's chunk at the default policy-max-activation-mb (2048): 211,756 bytes of activations for two
-    # records (4 copies of half of it a record), and a record's copies: 784 float32 features and an int64
-    # label, 2 copies as the source holds them and 3 converted.
+    # records, as activation_bytes counts them on the meta device (checked here: 4 copies of half of it a
+    # record), and a record's copies: 784 float32 features and an int64 label, 2 copies as the source holds
+    # them and 3 converted (SOURCE_COPIES, CONVERTED_COPIES).
+    two = torch.from_numpy(x[:2].copy()), torch.from_numpy(y[:2].copy())
+    assert streaming.activation_bytes(model, LOSS, *two) == 211_756
     budget = 2048 << 20
     per_record = 4 * 211_756 // 2 + 784 * (2 * 4 + 3 * 4) + (2 * 8 + 3 * 8)
     cpu_chunk = chunk_for_budget(model, LOSS, ArraySource(x, y), budget_bytes=budget, most=workloads.CHUNK_RECORDS)
