@@ -48,6 +48,7 @@ from client_agent.high_water import HighWater, HighWaterError, Mark, fsync_path
 from protocol.errors import FedfilterError
 from protocol.messages import MONITOR
 from protocol.npz import load_stored
+from protocol.validate import as_float
 
 SCHEMA_VERSION: Final = 3
 """Version of the ledger's table layout; any change to it is privacy-affecting (CHANGELOG).
@@ -199,7 +200,7 @@ class LedgerConfig:
 def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"LedgerConfig.{name}: expected a real number, found {value!r}")
-    return float(value)
+    return as_float(f"LedgerConfig.{name}", value, error=ValueError)  # type: ignore[arg-type]
 
 
 def _positive_finite(name: str, value: object) -> float:

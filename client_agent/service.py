@@ -63,6 +63,7 @@ from client_agent.agent import Agent, Outcome, refusal
 from client_agent.config import AgentConfig, AgentConfigError, Federation, parse_agent_config
 from protocol import messages as wire
 from protocol.errors import FedfilterError
+from protocol.validate import as_float
 
 LOG = logging.getLogger("fedfilter.agent.service")
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes on Linux, the terminating NUL included
@@ -174,12 +175,14 @@ class ReplyPacer:
                 loaded = json.loads(path.read_text())
             except (OSError, ValueError) as exc:
                 raise ServiceError(f"reply pacing: expected a JSON object of marks in {path}, found: {exc}") from exc
+            expected = f"reply pacing: expected {path} to map keys to seconds >= 0"
             if not isinstance(loaded, dict) or not all(
-                isinstance(k, str) and isinstance(v, float | int) and math.isfinite(v) and v >= 0
-                for k, v in loaded.items()
+                isinstance(k, str) and isinstance(v, float | int) and not isinstance(v, bool) for k, v in loaded.items()
             ):
-                raise ServiceError(f"reply pacing: expected {path} to map keys to seconds >= 0, found {loaded!r}")
-            self.marks = {k: float(v) for k, v in loaded.items()}
+                raise ServiceError(f"{expected}, found {loaded!r:.200}")
+            self.marks = {k: as_float(f"{expected}; {k!r}", v, error=ServiceError) for k, v in loaded.items()}
+            if not all(math.isfinite(v) and v >= 0 for v in self.marks.values()):
+                raise ServiceError(f"{expected}, found {loaded!r:.200}")
 
     @staticmethod
     def key(federation: str, message_type: str) -> str:

@@ -28,7 +28,7 @@ from numpy.typing import NDArray
 
 from protocol import secagg as sa
 from protocol.errors import ProtocolError as ProtocolError
-from protocol.validate import integer
+from protocol.validate import as_float, integer
 
 CONFIG = "config"
 ARRAYS = "arrays"
@@ -136,7 +136,7 @@ def _positive(config: Mapping[str, Any], key: str, kind: str) -> float:
     value = _require(config, key, kind)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProtocolError(f"{kind}: {key!r} must be a number, got {value!r} ({type(value).__name__})")
-    out = float(value)
+    out = as_float(f"{kind}: {key!r}", value, error=ProtocolError)
     if not math.isfinite(out) or out <= 0:
         raise ProtocolError(f"{kind}: {key!r} must be a finite number > 0, got {value!r}")
     return out
@@ -179,9 +179,12 @@ def _noise_and_clip(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
 
 def _real(config: Mapping[str, Any], key: str, kind: str) -> float:
     value = _require(config, key, kind)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProtocolError(f"{kind}: {key!r} must be a finite number, got {value!r}")
-    return float(value)
+    out = as_float(f"{kind}: {key!r}", value, error=ProtocolError)
+    if not math.isfinite(out):
+        raise ProtocolError(f"{kind}: {key!r} must be a finite number, got {value!r}")
+    return out
 
 
 def _no_extra(
@@ -804,9 +807,11 @@ class ContributionReply:
         if not np.all(np.isfinite(total)):
             raise ProtocolError("reply: 'total' contains NaN or infinite values")
         raw = config.get("noise_added")
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) or raw < 0:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
             raise ProtocolError(f"reply: 'noise_added' must be a finite number >= 0, got {raw!r}")
-        noise_added = float(raw)
+        noise_added = as_float("reply: 'noise_added'", raw, error=ProtocolError)
+        if not math.isfinite(noise_added) or noise_added < 0:
+            raise ProtocolError(f"reply: 'noise_added' must be a finite number >= 0, got {raw!r}")
         return cls(
             request_id=_str(config, "request_id", kind),
             status=_str(config, "status", kind, choices=(REPLY_OK, REPLY_EXHAUSTED)),

@@ -14,18 +14,42 @@ from numbers import Real
 from protocol.errors import PrivacyParameterError as PrivacyParameterError
 
 
-def _as_float(name: str, value: object) -> float:
+def as_float(name: str, value: int | float, *, error: type[Exception] = PrivacyParameterError) -> float:
+    """``float(value)``, refusing with ``error`` an integer too large for a float.
+
+    JSON reads an integer of any length (a wire header's ``10**400``), and ``float`` of it raises
+    ``OverflowError``, which no caller expects: it is refused as infinity would be, the message giving the
+    integer's size, not its digits. Callers check the type (a real number, not a bool) first.
+    """
+    try:
+        return float(value)
+    except OverflowError:
+        size = f"an integer of {value.bit_length()} bits" if isinstance(value, int) else "a number too large"
+        raise error(f"{name}: expected a finite number, got {size}") from None
+
+
+def real(name: str, value: object, *, error: type[Exception] = PrivacyParameterError) -> float:
+    """Return ``value`` as a finite float: a real number (a bool is not), finite once converted.
+
+    Example:
+        >>> real("noise_std", 2)
+        2.0
+        >>> real("noise_std", 10**400)
+        Traceback (most recent call last):
+        ...
+        protocol.errors.PrivacyParameterError: noise_std: expected a finite number, got an integer of 1329 bits
+    """
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise PrivacyParameterError(f"{name}: expected a real number, got {value!r} ({type(value).__name__})")
-    out = float(value)
+        raise error(f"{name}: expected a real number, got {value!r:.80} ({type(value).__name__})")
+    out = as_float(name, value, error=error)  # type: ignore[arg-type]
     if not math.isfinite(out):
-        raise PrivacyParameterError(f"{name}: expected a finite number, got {value!r}")
+        raise error(f"{name}: expected a finite number, got {value!r}")
     return out
 
 
 def positive(name: str, value: object) -> float:
     """Return ``value`` as a float if it is finite and > 0."""
-    out = _as_float(name, value)
+    out = real(name, value)
     if out <= 0.0:
         raise PrivacyParameterError(f"{name}: expected a finite number > 0, got {value!r}")
     return out
@@ -33,7 +57,7 @@ def positive(name: str, value: object) -> float:
 
 def non_negative(name: str, value: object) -> float:
     """Return ``value`` as a float if it is finite and >= 0."""
-    out = _as_float(name, value)
+    out = real(name, value)
     if out < 0.0:
         raise PrivacyParameterError(f"{name}: expected a finite number >= 0, got {value!r}")
     return out
@@ -41,7 +65,7 @@ def non_negative(name: str, value: object) -> float:
 
 def open_unit(name: str, value: object) -> float:
     """Return ``value`` as a float if it lies in the open interval (0, 1)."""
-    out = _as_float(name, value)
+    out = real(name, value)
     if not 0.0 < out < 1.0:
         raise PrivacyParameterError(f"{name}: expected a number in (0, 1), got {value!r}")
     return out
@@ -49,7 +73,7 @@ def open_unit(name: str, value: object) -> float:
 
 def order_above_one(name: str, value: object) -> float:
     """Return a Rényi order as a float if it is finite and > 1."""
-    out = _as_float(name, value)
+    out = real(name, value)
     if out <= 1.0:
         raise PrivacyParameterError(f"{name}: expected a Rényi order > 1, got {value!r}")
     return out

@@ -118,6 +118,19 @@ HOSTILE = [
         r"missing key 'noise_std'",
     ),
     ("string sigma", lambda c, a: (c | {"noise_std": "10"}, a), wire.ERR_MALFORMED, r"'noise_std' must be a number"),
+    # JSON reads an integer of any length; float() of this one overflows (an internal error before)
+    (
+        "sigma past float",
+        lambda c, a: (c | {"noise_std": 10**400}, a),
+        wire.ERR_MALFORMED,
+        r"'noise_std': expected a finite number, got an integer of 1329 bits",
+    ),
+    (
+        "clip past float",
+        lambda c, a: (c | {"l2_clip": -(10**400)}, a),
+        wire.ERR_MALFORMED,
+        r"'l2_clip': expected a finite number, got an integer of 1329 bits",
+    ),
 ]
 
 
@@ -224,7 +237,15 @@ def test_bad_agent_config() -> None:
             parse_agent_config(base | override, simulation=True)
 
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.floats(allow_nan=True), st.text(max_size=20))
+# JSON reads integers of any length: the last strategy draws ones past float's range (about 1.8e308)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-10, 10**12),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.integers(2**1024, 10**400) | st.integers(-(10**400), -(2**1024)),
+)
 keys = st.sampled_from(
     [
         "request_id",
@@ -261,6 +282,23 @@ def test_decoder_fuzz(mtype: str, config: dict[str, Any], arrs: dict[str, np.nda
     """Any input either decodes to a valid request or raises ProtocolError (never anything else)."""
     try:
         request = wire.decode_request(mtype, config, arrs)
+    except wire.ProtocolError as exc:
+        assert str(exc)
+        return
+    again = wire.decode_request(wire.message_type_of(request), *wire.encode_request(request))
+    assert wire.encode_request(again)[0] == wire.encode_request(request)[0]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mtype=st.sampled_from([wire.GRADIENT, wire.INDICATOR]), key=keys, value=scalars)
+def test_decoder_fuzz_one_field_of_a_valid_request(mtype: str, key: str, value: Any) -> None:
+    """A valid request with one field set to anything decodes or raises ProtocolError (never anything else)."""
+    if mtype == wire.GRADIENT:
+        config, arrs = gradient()
+    else:
+        config, arrs = indicator("i1", predicate="threshold", value=0.0)
+    try:
+        request = wire.decode_request(mtype, config | {key: value}, arrs)
     except wire.ProtocolError as exc:
         assert str(exc)
         return
@@ -336,6 +374,17 @@ def test_indicator_query_charges_only_positive_units(tmp_path: Path) -> None:
     positive = x[:, 0] > 0
     np.testing.assert_allclose(spent[positive], 1 / 16)  # mu^2 = (C / sigma)^2 = (1/4)^2
     np.testing.assert_array_equal(spent[~positive], 0.0)  # a zero contribution costs nothing
+
+
+def test_indicator_value_past_float_range_is_malformed(tmp_path: Path) -> None:
+    agent = make_agent(tmp_path)
+    before = ledger_snapshot(agent)
+    config, arrays = indicator("i1", predicate="threshold", value=0.0)
+    outcome = agent.handle(wire.INDICATOR, config | {"value": 10**400}, arrays)  # JSON reads any integer
+    assert outcome.error_code == wire.ERR_MALFORMED, outcome.local_detail
+    assert "'value': expected a finite number, got an integer of 1329 bits" in outcome.local_detail
+    assert outcome.error_reason == wire.ERROR_TEXT[wire.ERR_MALFORMED]
+    assert ledger_snapshot(agent) == before
 
 
 def test_client_units_one_filter(tmp_path: Path) -> None:

@@ -196,6 +196,8 @@ def test_reply_decode_refuses_non_numeric_noise() -> None:
     for bad in ("abc", None, float("nan"), -1.0, True):
         with pytest.raises(wire.ProtocolError, match="'noise_added' must be a finite number >= 0"):
             wire.ContributionReply.decode(base | {"noise_added": bad}, total)
+    with pytest.raises(wire.ProtocolError, match="'noise_added': expected a finite number, got an integer of 1329"):
+        wire.ContributionReply.decode(base | {"noise_added": 10**400}, total)  # JSON reads any integer
 
 
 def _charge_one_pass(

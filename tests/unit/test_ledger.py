@@ -98,6 +98,12 @@ class TestConfig:
         assert LedgerConfig.from_json(text) == config
         assert LedgerConfig.from_json(text).to_json() == text
 
+    def test_an_integer_past_float_range_is_refused(self) -> None:
+        # JSON reads an integer of any length: a corrupt ledger's config gets the ledger's error, not OverflowError
+        text = make_config().to_json().replace('"epsilon":3.0', '"epsilon":1' + "0" * 400)
+        with pytest.raises(ValueError, match=r"LedgerConfig.epsilon: expected a finite number, got an integer of 1329"):
+            LedgerConfig.from_json(text)
+
     def test_numbers_are_normalised(self) -> None:
         config = make_config(epsilon=3, n_units=np.int64(5), params={"orders": (2, 4)})
         assert config == make_config(params={"orders": [2, 4]})

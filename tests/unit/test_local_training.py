@@ -77,6 +77,7 @@ def test_wire_round_trip_and_old_messages_unchanged() -> None:
         ({"local_lr": float("nan")}, r"'local_lr' must be a finite number > 0, got nan"),
         ({"local_lr": float("inf")}, r"'local_lr' must be a finite number > 0, got inf"),
         ({"local_lr": "0.1"}, r"'local_lr' must be a number, got '0.1'"),
+        ({"local_lr": 10**400}, r"'local_lr': expected a finite number, got an integer of 1329 bits"),
         ({"local_steps": wire.MAX_WIRE_INT + 1}, r"'local_steps': expected an integer in \[1, 9007199254740992\]"),
         ({"local_steps": 0}, r"'local_steps': expected .*got 0$"),  # 0 is written by leaving the keys out
         ({"local_steps": True}, r"'local_steps': expected an integer in \[1, .*got True \(bool\)"),

@@ -90,7 +90,10 @@ def test_marks_survive_a_restart_and_the_first_reply_after_it_is_held(clock: Fak
     assert restarted.marks == {key: pytest.approx(0.8)}
 
 
-@pytest.mark.parametrize("text", ["not json", '{"k": -1}', '{"k": "slow"}', "[1, 2]", '{"k": NaN}'])
+@pytest.mark.parametrize(
+    "text",
+    ["not json", '{"k": -1}', '{"k": "slow"}', "[1, 2]", '{"k": NaN}', '{"k": true}', '{"k": 1' + "0" * 400 + "}"],
+)
 def test_a_corrupt_marks_file_stops_the_service_with_a_clear_error(tmp_path: Path, text: str) -> None:
     path = tmp_path / "marks.json"
     path.write_text(text)
