@@ -509,7 +509,7 @@ class Agent:
                 f"{policy.max_rounds_per_run} requests per run"
             )
         # Per federation, like the run limit: a shared count would let one coordinator block another, and
-        # tell it how many requests the other made (privacy.md §11).
+        # read the other's count off its own refusals (privacy.md §11).
         today = self.ledger.requests_since(datetime.now(UTC) - timedelta(days=1), fed.name)
         if today >= policy.max_requests_per_day:
             raise PolicyError(

@@ -386,6 +386,14 @@ class AgentConfig:
                 raise AgentConfigError(
                     "filter 'realisation' needs policy-max-clip and policy-min-noise-std (they fix the cap mu_max)"
                 )
+            if self.policy.max_request_share < 1:
+                # Its cost is the realised loss, known only after the release; what the filter bounds before is
+                # mu = l2_clip / noise_std <= mu_max, and its rule reserves mu_max for the last request (TVC Alg. 1).
+                raise AgentConfigError(
+                    "policy-max-request-share: the realisation filter caps a request by mu_max = policy-max-clip / "
+                    "policy-min-noise-std, not by a share of the budget; leave the share out (or 1), got "
+                    f"{self.policy.max_request_share!r}"
+                )
             if self.monitor.kind != "none":
                 raise AgentConfigError("monitor: the realisation filter does not reserve a monitor yet; use 'none'")
         if self.monitor.kind == "tree" and self.trust not in ("local", "secagg"):
@@ -576,7 +584,13 @@ def parse_agent_config(node_config: Mapping[str, Any], *, simulation: bool = Fal
         min_secagg_scale_bits=_get(raw, "policy-secagg-min-scale-bits", int, default.min_secagg_scale_bits),
         max_local_steps=_get(raw, "policy-max-local-steps", int, default.max_local_steps),
         max_activation_mb=_get(raw, "policy-max-activation-mb", int, default.max_activation_mb),
-        max_request_share=_get(raw, "policy-max-request-share", float, default.max_request_share),
+        # The realisation filter caps a request by mu_max, not by a share of an additive budget (its default: none)
+        max_request_share=_get(
+            raw,
+            "policy-max-request-share",
+            float,
+            1.0 if raw.get("filter") == "realisation" else default.max_request_share,
+        ),
     )
     # Each reply is stored whole in the ledger before it is sent (a retry is answered from it), and SQLite holds
     # at most SQLITE_MAX_LENGTH (1e9) bytes in one value: 8 bytes a parameter in central trust (the exact float64

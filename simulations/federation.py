@@ -63,10 +63,13 @@ def request_share(filter_kind: str, *, epsilon: float, delta: float, noise_std: 
     """The ``policy-max-request-share`` a plan of rounds at (``noise_std``, ``clip``) needs: its per-round cost
     (clip / noise_std)^2 as a share of the filter's threshold, and never less than the agents' default
     (client_agent.config.DEFAULT_MAX_REQUEST_SHARE) nor more than 1. A simulation states it explicitly
-    when its rounds cost more than the default allows (a few large rounds)."""
+    when its rounds cost more than the default allows (a few large rounds). The realisation filter has no
+    share cap (its request is capped by mu_max, privacy.md §11): 1."""
     from client_agent.config import DEFAULT_MAX_REQUEST_SHARE
     from protocol.filters import GaussianFilter
 
+    if filter_kind == "realisation":
+        return 1.0
     threshold = GaussianFilter.create(filter_kind, epsilon=epsilon, delta=delta).threshold
     cost = (clip / noise_std) ** 2
     share = cost / threshold

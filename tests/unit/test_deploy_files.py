@@ -216,3 +216,15 @@ def test_agent_check_refuses_the_realisation_filter_over_records(
     accepted = write_agent_toml(tmp_path / "client.toml", {**fields, "unit": "client"})
     assert cli_main(["agent", "check", str(accepted)]) == 0
     assert json.loads(capsys.readouterr().out)["units"] == 1
+
+
+def test_agent_files_for_the_realisation_filter_state_no_share_cap(tmp_path: Path) -> None:
+    """Its request is capped by mu_max (privacy.md §11): the files leave the share at 1, which the agent accepts."""
+    from simulations.deploy.agent_files import write_agent_files
+
+    parts = [(np.zeros((4, 3), np.float32), np.zeros(4, np.int64))]
+    agent = {"epsilon": 5.0, "delta": 1e-5, "filter": "realisation", "unit": "client", "realisation-max-rounds": 10}
+    (path,) = write_agent_files(tmp_path, parts, **agent)
+    config = parse_agent_config({"agent-config": str(path)})
+    assert config.policy.max_request_share == 1.0
+    assert config.realisation_filter().mu_max == 1.0  # the files' default clip 1 over noise floor 1
