@@ -24,7 +24,7 @@ from protocol.filters import FILTER_KINDS, GaussianFilter
 from protocol.messages import MESSAGE_TYPES, TRUST_MODES, UNITS
 from protocol.realisation import RealisationFilter
 from protocol.releases import tree_levels
-from protocol.validate import PrivacyParameterError, integer, open_unit, positive, positive_int
+from protocol.validate import PrivacyParameterError, as_float, integer, open_unit, positive, positive_int
 from workloads.registry import BUILTIN_REF
 
 AGENT_FILTERS: tuple[str, ...] = (*FILTER_KINDS, "realisation")
@@ -509,8 +509,8 @@ def _get(raw: Mapping[str, Any], key: str, kind: type, default: Any = None) -> A
             raise AgentConfigError(f"agent config: missing key {key!r}")
         return default
     value = raw[key]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):  # TOML reads any length of integer
+        value = as_float(f"agent config: {key!r}", value, error=AgentConfigError)
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, kind) or isinstance(value, bool):

@@ -83,8 +83,11 @@ class HighWater:
             raise HighWaterError(f"high-water mark {self.path}: expected a readable file, found: {exc}") from exc
         try:
             data: Any = json.loads(text)
-            mark = Mark(str(data["ledger_id"]), int(data["seq"]), str(data["state_sha256"]), str(data.get("last", "")))
-        except (ValueError, KeyError, TypeError) as exc:
+            seq = data["seq"]
+            if isinstance(seq, bool) or not isinstance(seq, int):  # 1e400 or 3.5 is no count of commits
+                raise TypeError(f"seq: expected an integer, found {seq!r:.40}")
+            mark = Mark(str(data["ledger_id"]), seq, str(data["state_sha256"]), str(data.get("last", "")))
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise HighWaterError(
                 f"high-water mark {self.path}: expected JSON with ledger_id, seq and state_sha256, found "
                 f"{text[:120]!r}; refusing to answer (a damaged mark cannot tell a rolled-back ledger)"

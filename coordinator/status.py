@@ -13,13 +13,13 @@ client's free text.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from coordinator.config import MONITORS
 from protocol import messages as wire
+from protocol.validate import real
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,14 @@ class ClientStatus:
         return cls(ledger, workload, layout.get("fingerprint"), floor, tag)
 
 
+def _positive_number(value: Any) -> bool:
+    """A number (not a bool) > 0 and finite as a float: JSON reads integers of any length, and 10**400 is not."""
+    try:
+        return real("status reply", value, error=ValueError) > 0
+    except ValueError:
+        return False
+
+
 def _ledger(ledger: Any) -> LedgerTerms:
     if not isinstance(ledger, dict):
         raise wire.ProtocolError(f"status reply: expected a 'ledger' object, got {ledger!r:.80}")
@@ -101,7 +109,7 @@ def _ledger(ledger: Any) -> LedgerTerms:
         ("unit", str),
     ):
         value = ledger.get(key)
-        numeric = kind is float and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+        numeric = kind is float and _positive_number(value)
         if isinstance(value, bool) or not (numeric or (kind is not float and isinstance(value, kind))):
             raise wire.ProtocolError(f"status reply: ledger {key!r} must be {kind.__name__}, got {value!r:.80}")
     for key, choices in (("trust", wire.TRUST_MODES), ("unit", wire.UNITS)):
@@ -130,7 +138,7 @@ def _monitor(monitor: Any) -> MonitorTerms:
     needed = {"svt": ("epsilon_svt",), "tree": ("noise_std", "max_rounds", "squared_cost")}.get(str(kind), ())
     for key in needed:
         value = monitor.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if not _positive_number(value):
             raise wire.ProtocolError(f"status reply: monitor {key!r} must be a finite number > 0, got {value!r:.80}")
     if kind == "tree":
         for key in ("max_rounds", "levels"):
@@ -154,9 +162,7 @@ def _workload(workload: Any) -> WorkloadTerms:
         dim = query.get("dim") if isinstance(query, dict) else None
         bound = query.get("l2_bound") if isinstance(query, dict) else None
         ok_dim = isinstance(dim, int) and not isinstance(dim, bool) and dim >= 1
-        ok_bound = (
-            isinstance(bound, (int, float)) and not isinstance(bound, bool) and math.isfinite(bound) and bound > 0
-        )
+        ok_bound = _positive_number(bound)
         if not (ok_dim and ok_bound):
             raise wire.ProtocolError(
                 f"status reply: a workload query must have an integer 'dim' >= 1 and a finite 'l2_bound' > 0, "

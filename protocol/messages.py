@@ -840,7 +840,7 @@ class StatusReply:
             raise ProtocolError(f"{kind}: 'description' must be a JSON string, got {type(description).__name__}")
         try:
             parsed = json.loads(description)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # not JSON; an integer over 4,300 digits; nesting too deep
             raise ProtocolError(f"{kind}: 'description' must be JSON, got {description[:80]!r}") from exc
         if not isinstance(parsed, dict) or "ledger" not in parsed or "policy" not in parsed:
             raise ProtocolError(

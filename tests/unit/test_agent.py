@@ -442,7 +442,6 @@ def test_realisation_filter_has_no_share_cap_and_refuses_one(tmp_path: Path) -> 
     # Its request is capped by mu_max (the policy's clip and noise floor), not by a share of an additive budget:
     # the status reply says there is no share cap, and an owner who asks for one is told so, not ignored.
     agent = make_agent(tmp_path, filter="realisation", unit="client", **REALISATION)
-    assert agent.request_cap() is None
     status = json.loads(agent.status_json())
     assert status["policy"]["max_request_share"] == 1.0
     with pytest.raises(AgentConfigError, match=r"realisation filter caps a request by mu_max .* got 0.25"):

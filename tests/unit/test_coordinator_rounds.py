@@ -225,6 +225,32 @@ def test_malformed_status_replies_exclude_the_client_with_a_clear_error() -> Non
         run(scripted, config())
 
 
+def _past_float(raw: dict[str, Any], where: str) -> str:
+    if where == "epsilon":
+        raw["ledger"]["epsilon"] = 10**400  # JSON reads integers of any length; float() of this one overflows
+    elif where == "monitor":
+        raw["ledger"]["params"]["monitor"] = {"kind": "svt", "epsilon_svt": -(10**400)}
+    elif where == "workload":
+        raw["workload"] = {"name": "w", "models": [], "queries": {"q": {"dim": 1, "l2_bound": 10**400}}}
+    text = json.dumps(raw)
+    if where == "digits":  # json.loads refuses an integer of over 4,300 digits with a plain ValueError
+        text = text[:-1] + ', "x": 1' + "0" * 5000 + "}"
+    elif where == "nesting":  # and nesting this deep with RecursionError
+        text = text[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    return text
+
+
+@pytest.mark.parametrize("where", ["epsilon", "monitor", "workload", "digits", "nesting"])
+def test_a_status_json_cannot_parse_as_floats_leaves_out_that_client_only(where: str) -> None:
+    # One client's status used to abort the whole enrolment (OverflowError, ValueError, RecursionError)
+    statuses = {n: status(trust="central") for n in NODES}
+    statuses[NODES[0]] = _past_float(json.loads(statuses[NODES[0]]), where)
+    scripted = Scripted(statuses, {n: np.ones(8, np.float32) for n in NODES}, "central")
+    summary = run(scripted, config(n_public=10))
+    assert summary["clients_excluded"] == {"malformed-status": 1}
+    assert summary["privacy"]["clients_enrolled"] == 2
+
+
 def test_out_of_range_reply_leaves_the_model_and_is_counted(tmp_path: Path) -> None:
     # A reply at float32's edge would overflow the step to inf; the model stays and the round says why.
     huge = np.full(8, np.finfo(np.float32).max, dtype=np.float32)

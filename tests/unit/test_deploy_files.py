@@ -48,6 +48,9 @@ def test_agent_config_errors_name_expected_and_found(tmp_path: Path) -> None:
     bad.write_text(EXAMPLE.read_text().replace("epsilon = 2.0", 'epsilon = "two"'))
     with pytest.raises(AgentConfigError, match="'epsilon' must be float, got 'two'"):
         parse_agent_config({"agent-config": str(bad)})
+    bad.write_text(EXAMPLE.read_text().replace("epsilon = 2.0", "epsilon = 1" + "0" * 400))  # TOML reads any length
+    with pytest.raises(AgentConfigError, match="'epsilon': expected a finite number, got an integer of 1329 bits"):
+        parse_agent_config({"agent-config": str(bad)})
     with pytest.raises(AgentConfigError, match="agent-config: no file at"):
         parse_agent_config({"agent-config": str(tmp_path / "none.toml")})
 

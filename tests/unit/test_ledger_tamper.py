@@ -318,6 +318,24 @@ def test_every_commit_advances_the_mark_and_a_damaged_mark_is_refused(tmp_path: 
         Ledger.open(path, make_config(), high_water=mark)
 
 
+@pytest.mark.parametrize("seq", ["1e400", "2.5", "true", '"2"', "[" * 100_000 + "]" * 100_000])
+def test_a_mark_whose_seq_is_no_count_is_damaged(tmp_path: Path, seq: str) -> None:
+    # 1e400 raised OverflowError through int(), 2.5 was read as 2, deep nesting raised RecursionError
+    path = tmp_path / "ledger.sqlite"
+    mark = default_path(path)
+    new_ledger(path, high_water=mark, rounds=1)
+    good = HighWater(mark, path).read()
+    assert good is not None
+    mark.write_text(
+        mark.read_text().replace(f'"seq": {good.seq}', f'"seq": {seq}').replace(f'"seq":{good.seq}', f'"seq":{seq}')
+    )
+    assert seq[:5] in mark.read_text()
+    with pytest.raises(HighWaterError, match="a damaged mark cannot tell a rolled-back ledger"):
+        HighWater(mark, path).read()
+    with pytest.raises(LedgerError, match="a damaged mark cannot tell a rolled-back ledger"):
+        Ledger.open(path, make_config(), high_water=mark)
+
+
 def test_the_mark_never_moves_back(tmp_path: Path) -> None:
     """A reader that checked an older state (``agent check`` beside a serving agent) cannot lower it."""
     path = tmp_path / "ledger.sqlite"
