@@ -99,6 +99,11 @@ class Outcome:
     error_code: int = 0
     error_reason: str = ""  # what crosses the wire: the code's fixed text (protocol.messages.ERROR_TEXT)
     local_detail: str = ""  # never sent: the exception's own message, for the client's log and tests
+    # A malformed or policy refusal decided before the request was answered: from its fields, the configuration
+    # and the federation's own request counts, never from a unit's spend or data (privacy.md §11), so its time
+    # tells nothing of who stopped and the service sends it unpaced (held to a mark, a stream of them from one
+    # federation held the one worker from the others, uncharged).
+    before_answer: bool = False
 
     @property
     def is_error(self) -> bool:
@@ -360,6 +365,7 @@ class Agent:
         """One request from ``federation`` (the socket it came over); a failure is a typed error and spends nothing.
 
         Every request, answered or refused, leaves one line in the owner's audit log (:meth:`audit`)."""
+        answering = False
         try:
             request = wire.decode_request(message_type, config, arrays)
             if federation is None:  # an in-process agent: its one federation (with several, the caller must say)
@@ -392,11 +398,14 @@ class Agent:
                         state = AgentState.from_arrays(self.ledger.state())
                         read = self.ledger.last_read
                         self.check_policy(request, fed)
+                        answering = True  # from here on units' spend and data are read: refusals are paced
                         outcome = self.answer(request, digest, fed, read=(state, read))
         except Exception as exc:
             # Nothing left the client: the reply is released only after a successful commit, and
             # the commit is one transaction. A repeat with the same id is answered afresh.
             outcome = refusal(error_code(exc), message_type, config, exc)
+            if not answering and outcome.error_code in (wire.ERR_MALFORMED, wire.ERR_POLICY):
+                outcome = replace(outcome, before_answer=True)
         try:
             self.audit(message_type, config, federation if federation is not None else self._federation, outcome)
         except Exception as exc:  # the owner's log line is lost, never the answer (its charge is committed)
@@ -686,9 +695,18 @@ class Agent:
         the ledger."""
         cfg = config if isinstance(config, dict) else {}
 
+        def bounded(value: Any) -> Any:
+            # A refused request's fields are as the bundle sent them: a 3 MiB string was written whole, each
+            # time, uncharged (a review: 63 MB of log from five requests); the wire's own limits bound them here.
+            if isinstance(value, str) and len(value) > 256:
+                return f"<{len(value)} characters>"
+            if isinstance(value, int) and abs(value) > wire.MAX_WIRE_INT:
+                return f"<an integer of {value.bit_length()} bits>"
+            return value
+
         def field(key: str) -> Any:
             value = cfg.get(key)
-            return value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+            return bounded(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
 
         line: dict[str, Any] = {
             "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
@@ -696,7 +714,7 @@ class Agent:
             "run_id": field("run_id"),
             "round": field("round"),
             "request_id": field("request_id"),
-            "kind": message_type,
+            "kind": bounded(message_type),
             "model": field("model"),
             "query": field("predicate"),
             "noise_std": field("noise_std"),

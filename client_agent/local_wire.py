@@ -36,6 +36,9 @@ _PREFIX = struct.Struct(">4sQ")
 # reply's dtype (protocol.messages.reply_dtype), plus headroom. The agent's bound on *requests* is its own,
 # from its policy (client_agent.service.max_request_bytes).
 MAX_FRAME_BYTES = 8 * WIRE_MAX_VALUES + (1 << 20)
+# A request's header holds scalar fields (strings of at most 256 characters); a larger one is refused before
+# it is parsed, which held the GIL (a 34 MiB header took 1.6 s, a review)
+MAX_REQUEST_HEADER_BYTES = 1 << 20
 MAX_MEMBERS = 32  # the header and the arrays of the largest message (a secagg step has a handful)
 
 
@@ -110,7 +113,7 @@ def _pack(header: dict[str, Any], arrays: dict[str, NDArray[Any]]) -> bytes:
     return buf.getvalue()
 
 
-def _unpack(frame: bytes | bytearray) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
+def _unpack(frame: bytes | bytearray, max_header: int | None = None) -> tuple[dict[str, Any], dict[str, NDArray[Any]]]:
     """Decode a frame from the other side of the socket, which the data owner does not control.
 
     :func:`protocol.npz.load_stored` checks it before anything is inflated or allocated: at most
@@ -121,7 +124,12 @@ def _unpack(frame: bytes | bytearray) -> tuple[dict[str, Any], dict[str, NDArray
     """
     try:
         members = load_stored(frame, what="frame", max_members=MAX_MEMBERS)
-        header = json.loads(bytes(members.pop(HEADER)).decode())
+        raw = members.pop(HEADER)
+        if max_header is not None and raw.nbytes > max_header:
+            raise FrameError(f"frame: expected a header of at most {max_header} bytes, found {raw.nbytes}")
+        header = json.loads(bytes(raw).decode())
+    except FrameError:
+        raise
     except ArchiveError as exc:
         raise FrameError(str(exc)) from exc
     except KeyError as exc:
@@ -140,7 +148,7 @@ def pack_request(message_type: str, config: dict[str, Any], arrays: dict[str, ND
 
 
 def unpack_request(frame: bytes | bytearray) -> tuple[str, dict[str, Any], dict[str, NDArray[Any]]]:
-    header, arrays = _unpack(frame)
+    header, arrays = _unpack(frame, MAX_REQUEST_HEADER_BYTES)
     message_type, config = header.get("message_type"), header.get("config")
     if not isinstance(message_type, str) or not isinstance(config, dict):
         raise FrameError("request frame: expected a header with 'message_type' (str) and 'config' (object)")

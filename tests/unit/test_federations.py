@@ -566,6 +566,26 @@ def test_every_request_answered_or_refused_leaves_one_audit_line_and_no_data(tmp
     agent.close()
 
 
+def test_a_refused_requests_fields_are_bounded_in_the_audit_line(tmp_path: Path) -> None:
+    # A review: a refused request's fields went into the owner's log whole (3 MiB strings: 63 MB of log from
+    # five uncharged requests); the wire's limits bound them (256 characters, 2^53).
+    log = tmp_path / "audit.jsonl"
+    agent = Agent(parse_agent_config(two_federations(tmp_path, **{"audit-log": str(log)}), simulation=True))
+    config, arrays = wire.encode_request(gradient_request("g1", noise_std=8.0, trust="central"))
+    huge = config | {"request_id": "r" * 3_000_000, "run_id": "u" * 257, "round": 10**400, "model": "m" * 256}
+    out = agent.handle("x" * 1000, huge, arrays, "alpha")
+    assert out.error_code == wire.ERR_MALFORMED
+    out = agent.handle(wire.GRADIENT, huge, arrays, "alpha")
+    assert out.error_code == wire.ERR_MALFORMED
+    text = log.read_text()
+    assert len(text) < 4000, len(text)
+    first, second = (json.loads(line) for line in text.splitlines())
+    assert first["kind"] == "<1000 characters>"
+    assert second["request_id"] == "<3000000 characters>" and second["run_id"] == "<257 characters>"
+    assert second["round"] == "<an integer of 1329 bits>" and second["model"] == "m" * 256  # at the limit: as sent
+    agent.close()
+
+
 def test_concurrent_processes_cannot_together_pass_a_rate_limit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -140,3 +142,97 @@ def test_a_reply_that_raises_the_mark_still_leaves_at_the_deadline(
     assert answer(pacer, clock, key, 1.1) == pytest.approx(1.25)  # sets the mark 1.1, leaves at the deadline
     assert answer(pacer, clock, key, 0.9) == pytest.approx(1.1 * 1.25)
     assert oct((tmp_path / "marks.json").stat().st_mode & 0o777) == oct(0o600)
+
+
+def _serve_one(listener: service._Listener, endpoint: service._Endpoint, frame: bytes) -> tuple[int, dict[str, Any]]:
+    """One connection through the listener's real path (a socket pair), its reply decoded."""
+    import socket
+    import threading
+
+    from client_agent import local_wire
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        sender = threading.Thread(target=local_wire.send, args=(ours, frame), daemon=True)  # frames over the buffer
+        sender.start()
+        endpoint.slots.acquire()
+        listener._serve_one(theirs, endpoint)
+        sender.join(10)
+        code, _, config, _ = local_wire.unpack_reply(local_wire.receive(ours, 1 << 20, deadline=time.monotonic() + 10))
+    return code, config
+
+
+def test_a_frame_that_does_not_decode_never_reaches_the_worker_or_its_pace(tmp_path: Path) -> None:
+    # A review: each junk frame was answered on the one worker and held to the "?" mark (raised to 1.6 s by one
+    # 34 MiB header), so twenty 4-byte frames from one federation held another's status reply 8 s, uncharged.
+    # Such a frame never reaches the agent: it is refused on its connection's thread, unpaced, and sets no mark.
+    import socket
+
+    from client_agent import local_wire
+    from protocol import messages as wire
+
+    cfg = parse_agent_config(node_config(tmp_path), simulation=True)
+    svc = service.AgentService(cfg)
+    try:
+        assert svc.pacer is not None
+        submitted: list[object] = []
+        real_submit = svc.worker.submit
+        svc.worker.submit = lambda fn, *a: submitted.append(fn) or real_submit(fn, *a)  # type: ignore[method-assign]
+        endpoint = service._Endpoint(cfg.served[0].name, socket.socket(socket.AF_UNIX), frozenset())
+        listener = service._Listener(svc, [endpoint], service.max_request_bytes(cfg))
+        big = local_wire.pack_request(wire.STATUS, {"x": "y" * (local_wire.MAX_REQUEST_HEADER_BYTES + 1)}, {})
+        for junk in (b"", b"\x00\x01\x02\x03", big):
+            code, _ = _serve_one(listener, endpoint, junk)
+            assert code == wire.ERR_MALFORMED
+        assert submitted == [] and svc.pacer.marks == {}
+        status = wire.encode_request(wire.StatusRequest("s1", "run", 0))
+        code, config = _serve_one(listener, endpoint, local_wire.pack_request(wire.STATUS, *status))
+        assert code == 0 and config["request_id"] == "s1"
+        assert submitted == [svc.paced]  # a request that decodes is answered on the worker, paced
+        assert not any('"?"' in key for key in svc.pacer.marks)
+        endpoint.sock.close()
+    finally:
+        svc.close()
+
+
+def test_a_request_header_over_the_limit_is_refused_before_it_is_parsed() -> None:
+    from client_agent import local_wire
+
+    frame = local_wire.pack_request("status", {"x": "y" * local_wire.MAX_REQUEST_HEADER_BYTES}, {})
+    with pytest.raises(local_wire.FrameError, match=r"expected a header of at most 1048576 bytes, found 10486"):
+        local_wire.unpack_request(frame)
+    header = {"x": "y" * (local_wire.MAX_REQUEST_HEADER_BYTES - 100)}
+    assert local_wire.unpack_request(local_wire.pack_request("status", header, {}))[1] == header
+
+
+def test_a_refusal_decided_before_the_answer_leaves_unpaced_and_an_answer_does_not(tmp_path: Path) -> None:
+    # A malformed or policy refusal is decided from the request's fields, the configuration and the federation's
+    # own counts (privacy.md §11): held to its kind's mark, a stream of them held the one worker from every other
+    # federation, uncharged. A request that is answered is held, whatever its outcome.
+    import socket
+
+    from client_agent import local_wire
+    from protocol import messages as wire
+    from tests.factories import gradient_request
+
+    cfg = parse_agent_config(node_config(tmp_path, **{"policy-min-noise-std": 1.0}), simulation=True)
+    svc = service.AgentService(cfg)
+    try:
+        assert svc.pacer is not None
+        held: list[str] = []
+        svc.pacer.hold = lambda key, started: held.append(key) or 0.0  # type: ignore[method-assign]
+        endpoint = service._Endpoint(cfg.served[0].name, socket.socket(socket.AF_UNIX), frozenset())
+        listener = service._Listener(svc, [endpoint], service.max_request_bytes(cfg))
+
+        def ask(config: dict[str, Any], arrays: dict[str, Any]) -> int:
+            return _serve_one(listener, endpoint, local_wire.pack_request(wire.GRADIENT, config, arrays))[0]
+
+        config, arrays = wire.encode_request(gradient_request("g1"))
+        assert ask(config | {"noise_std": "two"}, arrays) == wire.ERR_MALFORMED
+        assert ask(config | {"noise_std": 0.5}, arrays) == wire.ERR_POLICY  # under policy-min-noise-std
+        assert held == []
+        assert ask(config, arrays) == 0
+        assert held == [ReplyPacer.key(cfg.served[0].name, wire.GRADIENT)]
+        endpoint.sock.close()
+    finally:
+        svc.close()
