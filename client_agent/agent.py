@@ -122,7 +122,7 @@ def refusal(code: int, message_type: str, config: dict[str, Any], exc: BaseExcep
     level = logging.ERROR if code in (wire.ERR_LEDGER, wire.ERR_INTERNAL) else logging.WARNING
     LOG.log(
         level,
-        "refused %s request %.80r (%s): %s: %s",
+        "refused %.80s request %.80r (%s): %s: %.500s",  # bounded: a refused request's fields are the bundle's
         message_type,
         request_id,
         wire.error_name(code),

@@ -566,7 +566,9 @@ def test_every_request_answered_or_refused_leaves_one_audit_line_and_no_data(tmp
     agent.close()
 
 
-def test_a_refused_requests_fields_are_bounded_in_the_audit_line(tmp_path: Path) -> None:
+def test_a_refused_requests_fields_are_bounded_in_the_audit_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # A review: a refused request's fields went into the owner's log whole (3 MiB strings: 63 MB of log from
     # five uncharged requests); the wire's limits bound them (256 characters, 2^53).
     log = tmp_path / "audit.jsonl"
@@ -583,6 +585,8 @@ def test_a_refused_requests_fields_are_bounded_in_the_audit_line(tmp_path: Path)
     assert first["kind"] == "<1000 characters>"
     assert second["request_id"] == "<3000000 characters>" and second["run_id"] == "<257 characters>"
     assert second["round"] == "<an integer of 1329 bits>" and second["model"] == "m" * 256  # at the limit: as sent
+    refused = [r.getMessage() for r in caplog.records if r.name == "fedfilter.agent" and "refused" in r.getMessage()]
+    assert len(refused) == 2 and all(len(m) < 1000 for m in refused)  # the agent's own log line is bounded too
     agent.close()
 
 
