@@ -37,6 +37,12 @@ starts the real ``flwr-clientapp`` instead:
   unmount them) and, procfs and sysfs being no longer fully visible, the kernel refuses it a fresh
   mount of either.
 
+- in a network namespace of its own, a loopback and nothing else: a hostile review's ClientApp claimed a later
+  run's task through the SuperNode's Runtime API (``AcquireTask`` needs no token in Flower 1.42's subprocess
+  isolation), on its own SuperNode and on another of the host. It reaches its own SuperNode's API only
+  through this wrapper's :class:`Relay`, on a listener PID 1 binds on its loopback and hands over: the relay
+  passes its own task's calls with its own task's token and refuses every other (privacy.md §10).
+
 Where user namespaces are off (``sysctl user.max_user_namespaces=0``), it refuses to start the
 ClientApp (exit 78) and says so, unless ``FEDFILTER_CLIENTAPP_ISOLATION=none`` is set: then only the
 fresh folders protect the next run, and the operator must contain processes otherwise (docs/deploy.md).
@@ -46,9 +52,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hmac
 import os
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -68,8 +77,13 @@ EX_CONFIG = 78  # sysexits.h: a configuration error
 # Its own IPC namespace too: System V shared memory, semaphores and message queues, and POSIX message queues,
 # live in it and go with it (on the host's they would outlive the run).
 # And its own host and domain names (a ClientApp that set the host's would change them for the host).
+# And a network namespace of its own (only its loopback): a hostile review's ClientApp claimed a later run's
+# task through the SuperNode's Runtime API (``AcquireTask`` takes no token in Flower 1.42's subprocess mode), on
+# its own SuperNode and on others of the host. It reaches that API only through this wrapper's relay
+# (:class:`Relay`), which passes the calls that carry its own task's token and refuses every other.
 UNSHARE = (
     "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc", "--uts",
+    "--net",
 )  # fmt: skip
 # Host-wide counters in the namespace's own /proc that tell the CPU time others spend (on a dedicated cpuset,
 # the agent's): masked with /dev/null (files) or an empty read-only tmpfs (folders), with all of /sys.
@@ -117,6 +131,27 @@ def seccomp_program(denied: tuple[tuple[int, tuple[int, ...]], ...]) -> list[tup
     ]
 
 
+# The Runtime API as the ClientApp sees it: this port of its namespace's loopback (nothing else listens there),
+# where the wrapper relays (:class:`Relay`) the calls Flower's ClientApp makes for its task (flwr 1.42,
+# flwr/supernode/runtime/run_clientapp.py, supercore/logger.py and task_process/usage.py), each of which the
+# SuperNode binds to the caller's task by its token header, and only with this run's token: ``AcquireTask``
+# (which takes none) and every other call are refused with 403, unsent.
+RELAY_PORT = 9094
+TOKEN_HEADER = "flwr-task-token"  # flwr.supercore.constant.TASK_TOKEN_HEADER
+RELAYED = frozenset(
+    "/v1/runtime/" + name
+    for name in (
+        "send-task-heartbeat", "pull-task-input", "push-task-output", "push-object", "pull-object",
+        "confirm-message-received", "pull-messages", "push-messages", "push-logs", "record-task-usage",
+    )
+)  # fmt: skip
+RELAY_CONNECTIONS = 32  # at once; a further connection is closed unread
+RELAY_TIMEOUT_S = 300.0  # per read or write, both ways (a pull of a large object is one response)
+# Hop-by-hop headers (RFC 9110 §7.6.1): the relay's own on each side, never passed on.
+HOP_BY_HOP = frozenset(
+    ("connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
+     "proxy-authenticate", "proxy-authorization", "content-length"),
+)  # fmt: skip
 MAX_ENV = "FEDFILTER_CLIENTAPP_MAX_SECONDS"
 MAX_S = 3600.0  # one task (one message): then the namespace is killed, whatever the ClientApp does
 # In the namespace, as its root: the masks, then PID 1 stays a supervisor (init of the PID namespace, in the
@@ -171,6 +206,22 @@ for point, options in mounts:
     if not any(option in ATIME for option in options):
         flags |= 1 << 24  # MS_STRICTATIME
     check(libc.mount(None, point.encode(), None, flags, None), "making " + point + " read-only")
+# Its network namespace has a loopback only, down until brought up here (as its root); then the relay's listener:
+# bound here, on the namespace's loopback, handed to the wrapper (outside, where it accepts and relays) over
+# the channel it passed, and closed here before the ClientApp starts (the ClientApp never holds it).
+import fcntl, socket, struct
+try:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        ifreq = fcntl.ioctl(probe, 0x8913, struct.pack("16sH22x", b"lo", 0))  # SIOCGIFFLAGS
+        fcntl.ioctl(probe, 0x8914, struct.pack("16sH22x", b"lo", struct.unpack("16sH22x", ifreq)[1] | 1))  # IFF_UP
+    if int(sys.argv[3]) >= 0:
+        with socket.socket(fileno=int(sys.argv[3])) as channel, socket.socket() as listener:
+            listener.bind(("127.0.0.1", RELAY_PORT))
+            listener.listen(64)
+            socket.send_fds(channel, [b"listening"], [listener.fileno()])
+except OSError as exc:
+    sys.stderr.write(f"[fedfilter-clientapp] its network namespace (loopback, relay): {exc}; not starting it\\n")
+    os._exit(78)
 keyctl = KEYCTL.get(platform.machine())
 if keyctl is None:
     sys.stderr.write(f"[fedfilter-clientapp] no keyctl number known for {platform.machine()}; not starting it\\n")
@@ -213,7 +264,7 @@ class Program(ctypes.Structure):
 filters = (Filter * len(SECCOMP))(*[Filter(*row) for row in SECCOMP])
 program = Program(len(SECCOMP), filters)
 check(libc.prctl(22, 2, ctypes.byref(program), 0, 0), "a seccomp filter")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-os.execv(sys.executable, [sys.executable, "-I", "-c", RUN, *sys.argv[3:]])
+os.execv(sys.executable, [sys.executable, "-I", "-c", RUN, *sys.argv[4:]])
 """
 # What a ClientApp runs: Flower's entry point, then the ClientApp's process ends at once (threads the bundle
 # left cannot keep it), and the supervisor PID 1 ends the namespace with it.
@@ -238,8 +289,10 @@ def run_program(call: str) -> str:
 
 
 def sandboxed(run: str) -> str:
-    """SETUP with RUN = ``run``: the program the namespace's PID 1 runs (argv: uid, gid, then Flower's)."""
+    """SETUP with RUN = ``run``: the program the namespace's PID 1 runs (argv: uid, gid, the relay channel's
+    descriptor or -1 for none, then Flower's)."""
     head = f"MASKED = {MASKED_PROC!r}\nKEYCTL = {KEYCTL!r}\nSECCOMP = {seccomp_program(DENIED)!r}\n"
+    head += f"RELAY_PORT = {RELAY_PORT!r}\n"
     return head + f"RUN = {run!r}\n" + SETUP
 
 
@@ -266,7 +319,7 @@ def _split_parent(argv: list[str]) -> tuple[list[str], int | None]:
 def namespaces_work(unshare: str) -> str | None:
     """None when the sandbox (PID namespace, masks, inner user namespace) can be made here, else why not."""
     program = sandboxed(run_program("code = 0"))
-    argv = [unshare, *UNSHARE, sys.executable, "-I", "-c", program, str(os.getuid()), str(os.getgid())]
+    argv = [unshare, *UNSHARE, sys.executable, "-I", "-c", program, str(os.getuid()), str(os.getgid()), "-1"]
     folder = tempfile.mkdtemp(prefix="fedfilter-clientapp-probe-")  # a run's folder, as SETUP binds it
     try:
         probe = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False, cwd=folder)
@@ -275,6 +328,203 @@ def namespaces_work(unshare: str) -> str | None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return None if probe.returncode == 0 else (probe.stderr.strip() or f"exit code {probe.returncode}")
+
+
+class Relay:
+    """The ClientApp's only way to its SuperNode's Runtime API: an HTTP/1.1 relay, run by the wrapper outside the
+    ClientApp's namespaces, on the listener PID 1 bound on the namespace's loopback (the ClientApp cannot reach
+    the host's loopback, so neither its own SuperNode's API nor any other of the host's).
+
+    A request is passed on only if it is a ``POST`` of one of :data:`RELAYED` with one :data:`TOKEN_HEADER` equal
+    to the token the SuperNode gave this run (compared in constant time) and a ``Content-Length`` body; anything
+    else gets 403 (411 for a body of another framing) with fixed text, and a line in the node's log with its
+    method and path bounded; what is no HTTP/1.1 request head (over 64 KiB or 100 headers included) ends the
+    connection. The response, status and end-to-end headers, is passed back as it comes."""
+
+    def __init__(self, upstream: tuple[str, int], token: str, tls: ssl.SSLContext | None) -> None:
+        self.upstream, self.token, self.tls = upstream, token.encode(), tls
+        self.slots = threading.BoundedSemaphore(RELAY_CONNECTIONS)
+        self.listener: socket.socket | None = None
+        self.closed = threading.Event()
+
+    @staticmethod
+    def for_args(args: list[str]) -> tuple[list[str], Relay]:
+        """Flower's ``flwr-clientapp`` arguments as the SuperNode gave them -> those the ClientApp gets (the
+        Runtime API at the relay's port, in plain HTTP: the relay and the ClientApp share no network but its
+        namespace's loopback) and the relay to the API they named. ValueError says what is missing."""
+        out: list[str] = []
+        named: dict[str, str] = {}
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            i += 1
+            name, eq, inline = arg.partition("=")
+            if name in ("--token-file", "--token-stdin"):
+                raise ValueError(
+                    f"expected the task's token as --token T (as Flower's SuperNode passes it), found {name}"
+                )
+            if name == "--insecure":
+                named[name] = ""
+            elif name in ("--runtime-api-address", "--token", "--root-certificates"):
+                if not eq and i >= len(args):
+                    raise ValueError(f"{name}: expected a value, found none")
+                named[name] = inline if eq else args[i]
+                i += 0 if eq else 1
+            else:
+                out.append(arg)
+        address, token, certificates = (
+            named.get(k) for k in ("--runtime-api-address", "--token", "--root-certificates")
+        )
+        insecure = "--insecure" in named
+        if not token or not token.strip():
+            raise ValueError("expected the task's token as --token T, found none")
+        if not address:
+            raise ValueError("expected --runtime-api-address HOST:PORT, found none")
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--runtime-api-address: expected HOST:PORT, found {address[:100]!r}")
+        tls = None
+        if not insecure:
+            tls = ssl.create_default_context(cafile=certificates)
+        out = ["--runtime-api-address", f"127.0.0.1:{RELAY_PORT}", "--insecure", "--token", token.strip(), *out]
+        return out, Relay((host.strip("[]"), int(port)), token.strip(), tls)
+
+    def receive(self, channel: socket.socket, timeout: float) -> bool:
+        """Take the listener PID 1 sends over ``channel``; False if none came (PID 1 failed or ``timeout``)."""
+        channel.settimeout(timeout)
+        try:
+            _, fds, _, _ = socket.recv_fds(channel, 16, 1)
+        except OSError:
+            return False
+        if len(fds) != 1:
+            return False
+        self.listener = socket.socket(fileno=fds[0])
+        threading.Thread(target=self.serve, daemon=True, name="fedfilter-relay").start()
+        return True
+
+    def close(self) -> None:
+        self.closed.set()
+        if self.listener is not None:
+            with contextlib.suppress(OSError):
+                self.listener.shutdown(socket.SHUT_RDWR)
+            self.listener.close()
+
+    def serve(self) -> None:
+        assert self.listener is not None
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed: the run ended
+            if not self.slots.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=self.connection, args=(conn,), daemon=True).start()
+
+    def connection(self, conn: socket.socket) -> None:
+        import http.client
+
+        try:
+            conn.settimeout(RELAY_TIMEOUT_S)
+            reader = conn.makefile("rb")
+            while not self.closed.is_set():
+                head = _read_head(reader)
+                if head is None:
+                    return
+                method, path, headers = head
+                refusal = self.refusal(method, path, headers)
+                if refusal is not None:
+                    _log(f"refused a Runtime API call of the ClientApp: {method[:16]!r} {path[:100]!r} ({refusal[1]})")
+                    conn.sendall(_response(*refusal))
+                    return
+                length = int(headers["content-length"][0])
+                host, port = self.upstream
+                if self.tls is None:
+                    upstream = http.client.HTTPConnection(host, port, timeout=RELAY_TIMEOUT_S)
+                else:
+                    upstream = http.client.HTTPSConnection(host, port, timeout=RELAY_TIMEOUT_S, context=self.tls)
+                try:
+                    upstream.putrequest("POST", path, skip_accept_encoding=True)
+                    for name, values in headers.items():
+                        if name not in HOP_BY_HOP:
+                            for value in values:
+                                upstream.putheader(name, value)
+                    upstream.putheader("Content-Length", str(length))
+                    upstream.endheaders()
+                    _copy_exactly(reader, upstream.send, length)
+                    answer = upstream.getresponse()
+                    status = f"HTTP/1.1 {answer.status} {answer.reason}\r\n"
+                    lines = [f"{k}: {v}\r\n" for k, v in answer.getheaders() if k.lower() not in HOP_BY_HOP]
+                    size = (answer.getheader("Content-Length") or "").strip()
+                    chunked = not size.isdigit()
+                    lines.append("Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {int(size)}\r\n")
+                    conn.sendall((status + "".join(lines) + "\r\n").encode("latin-1"))
+                    while chunk := answer.read1(65536):
+                        conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+                    if chunked:
+                        conn.sendall(b"0\r\n\r\n")
+                finally:
+                    upstream.close()
+        except (OSError, ValueError, http.client.HTTPException):
+            return  # either side went away, or spoke no HTTP/1.1: this connection ends
+        finally:
+            conn.close()
+            self.slots.release()
+
+    def refusal(self, method: str, path: str, headers: dict[str, list[str]]) -> tuple[int, str] | None:
+        """Why a request is not passed on, as (status, fixed text); None to pass it on."""
+        if method != "POST" or path not in RELAYED:
+            return 403, "not a call of this task's ClientApp"
+        tokens = headers.get(TOKEN_HEADER, [])
+        if len(tokens) != 1 or not hmac.compare_digest(tokens[0].strip().encode(), self.token):
+            return 403, "not this task's token"
+        if "transfer-encoding" in headers:
+            return 411, "expected a Content-Length body"
+        sizes = headers.get("content-length", [])
+        if len(sizes) != 1 or not sizes[0].strip().isdigit():
+            return 411, "expected a Content-Length body"
+        return None
+
+
+def _read_head(reader: IO[bytes]) -> tuple[str, str, dict[str, list[str]]] | None:
+    """One HTTP/1.1 request line and its headers (names lower-cased); None at the end of the connection.
+    ValueError for what is no HTTP/1.1 request head, or one over 64 KiB or 100 headers."""
+    line = reader.readline(65537)
+    if not line:
+        return None
+    parts = line.decode("latin-1").rstrip("\r\n").split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise ValueError("not an HTTP/1.1 request line")
+    headers: dict[str, list[str]] = {}
+    total = len(line)
+    for _ in range(101):
+        line = reader.readline(65537)
+        total += len(line)
+        if total > 65536 or not line.endswith(b"\n"):
+            raise ValueError("request head too long or cut")
+        if line in (b"\r\n", b"\n"):
+            return parts[0], parts[1], headers
+        name, colon, value = line.decode("latin-1").partition(":")
+        if not colon or not name or name != name.strip():
+            raise ValueError("malformed header")
+        headers.setdefault(name.lower(), []).append(value.strip())
+    raise ValueError("too many headers")
+
+
+def _copy_exactly(reader: IO[bytes], send: object, length: int) -> None:
+    while length > 0:
+        chunk = reader.read(min(length, 65536))
+        if not chunk:
+            raise ValueError("request body cut")
+        send(chunk)  # type: ignore[operator]
+        length -= len(chunk)
+
+
+def _response(status: int, text: str) -> bytes:
+    reason = {403: "Forbidden", 411: "Length Required"}[status]
+    body = f"fedfilter sandbox: {text}\n".encode()
+    head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}\r\n"
+    return (head + "Connection: close\r\n\r\n").encode("latin-1") + body
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     run = run_program(FLOWER_CALL)
     command = [sys.executable, "-I", "-c", run, *args]
+    relay: Relay | None = None
     if mode == "pidns":
         unshare = shutil.which("unshare", path=os.environ.get("PATH", os.defpath)) or "unshare"
         why = namespaces_work(unshare)
@@ -307,8 +558,14 @@ def main(argv: list[str] | None = None) -> int:
                 "SuperNode's processes otherwise (docs/deploy.md §9)"
             )
             return EX_CONFIG
+        try:
+            args, relay = Relay.for_args(args)
+        except (ValueError, OSError) as exc:  # OSError: the named root certificates cannot be read
+            _log(f"{exc}; not starting the ClientApp")
+            return EX_CONFIG
+        channel, theirs = socket.socketpair()
         command = [unshare, *UNSHARE, sys.executable, "-I", "-c", sandboxed(run), str(os.getuid()), str(os.getgid())]
-        command += args
+        command += [str(theirs.fileno()), *args]
     run_dir = Path(tempfile.mkdtemp(prefix="fedfilter-clientapp-"))  # 0700, this user's
     (run_dir / "tmp").mkdir()
     env = {k: v for k, v in os.environ.items() if k in KEEP or (k.startswith("FLWR_") and k != "FLWR_HOME")}
@@ -325,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        pass_fds=(theirs.fileno(),) if relay is not None else (),
     )
     copies = [
         threading.Thread(target=_copy, args=(source, sink), daemon=True)
@@ -332,6 +590,20 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for copy in copies:
         copy.start()
+    if relay is not None:
+        theirs.close()
+        if not relay.receive(channel, timeout=min(limit, 60.0)):
+            channel.close()
+            if proc.poll() is None:
+                _log("the sandbox did not hand over the Runtime API relay's listener; killing its namespace")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait()
+            for copy in copies:
+                copy.join(timeout=GRACE_S)
+            _remove(run_dir)
+            return code or EX_CONFIG
+        channel.close()
 
     def kill_later() -> None:
         try:
@@ -367,6 +639,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)  # unshare dies, and --kill-child takes PID 1 and the rest
             return proc.wait()
     finally:
+        if relay is not None:
+            relay.close()
         for copy in copies:  # the namespace is gone: every writer of the pipes with it
             copy.join(timeout=GRACE_S)
         _remove(run_dir)

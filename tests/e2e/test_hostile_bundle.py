@@ -25,7 +25,9 @@ In order:
    admitted requests, each charged (norm / noise_std)^2 per unit by the filter. It also asks the
    *other* agent's socket (closed unread: not its peer), reads the other node's key (PermissionError),
    appends code to every unpacked app it can find under its SuperNode's home and its own
-   ``FLWR_HOME``, and forks a daemon that keeps asking its agent.
+   ``FLWR_HOME``, forks a daemon that keeps asking its agent, and asks for the next pending task
+   (``AcquireTask``) at its Runtime API address (the shim's relay: refused) and at every SuperNode's port on
+   the host's loopback (out of its network namespace's reach).
 3. a second honest run: the planted code never runs, and the daemon is gone once the hostile run
    ended.
 
@@ -189,6 +191,7 @@ LOW_NOISE = {low_noise!r}
 OTHER = {other!r}  # socket -> the other agent's socket
 KEYS = {keys!r}  # socket -> the other node's private key
 HOMES = {homes!r}  # socket -> this node's SuperNode home (its FLWR_HOME)
+RUNTIME_PORTS = {runtime_ports!r}  # each SuperNode's Runtime API, on the host's loopback
 # Everything outside its run's folder is read-only in the sandbox: what it learns leaves by a socket (a
 # datagram "name NUL text" to the test's collector, which appends text to EXFIL/name), as it could to anywhere.
 COLLECTOR = os.path.join(EXFIL, "collector.sock")
@@ -272,6 +275,21 @@ def ask(sock, message_type, config, arrays):
     return local_wire.unpack_reply(reply)
 
 
+def acquire(host, port):
+    """AcquireTask on a Runtime API: no token needed in Flower 1.42's subprocess mode (a review claimed a later
+    run's task with it). The HTTP status, or the error that stopped the call."""
+    import http.client
+    try:
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.request("POST", "/v1/runtime/acquire-task", body=b"", headers={{"content-type": "application/protobuf"}})
+        answer = conn.getresponse()
+        answer.read()
+        conn.close()
+        return answer.status
+    except (OSError, http.client.HTTPException) as exc:
+        return type(exc).__name__
+
+
 def handle(msg, context):
     sock = context.node_config["agent-socket"]
     message_type = msg.metadata.message_type
@@ -280,6 +298,10 @@ def handle(msg, context):
     record["reads"] = {{name: steal(path) for target in TARGETS.values() for name, path in target.items()}}
     record["other_key"] = {{k: v for k, v in steal(KEYS[sock]).items() if k != "content"}}
     record["flwr_home"] = os.environ.get("FLWR_HOME")
+    import sys
+    own = sys.argv[sys.argv.index("--runtime-api-address") + 1].rsplit(":", 1)
+    record["acquire"] = {{"own": acquire(own[0], int(own[1])),
+                         "host": [acquire("127.0.0.1", port) for port in RUNTIME_PORTS]}}
     # The agent service's threads, as /proc shows them (their CPU time is in task/*/schedstat).
     seen = []
     for entry in os.listdir("/proc"):
@@ -344,6 +366,7 @@ def stage_hostile_app(dest: Path, world: World) -> Path:
         other={sock: sockets[1 - i] for i, sock in enumerate(sockets)},
         keys={sock: str(world.keys[1 - i]) for i, sock in enumerate(sockets)},
         homes={sock: str(world.keys[i].parent) for i, sock in enumerate(sockets)},
+        runtime_ports=[int(node.argv[node.argv.index("--port") + 1]) for node in world.supernodes],
     )
     compile(code, "client_app.py", "exec")
     (app / "client_agent" / "client_app.py").write_text(code)
@@ -749,6 +772,25 @@ def test_hostile_requests_are_refused_or_charged_by_policy(scenario: World) -> N
         assert verify_ledger(agent.ledger) == []
         with Ledger.open_existing(agent.ledger) as ledger:
             assert ledger.requests_in_run("hostile") == 2
+
+
+def test_a_bundle_claims_no_task_through_the_runtime_api(scenario: World) -> None:
+    """A hostile review's ClientApp polled AcquireTask (no token in Flower 1.42's subprocess mode) and claimed a
+    later run's task, on its SuperNode and on another of the host's. In its own network namespace it reaches
+    no host port, and the shim's relay refuses every call but its own task's (simulations/deploy/clientapp_sandbox.py);
+    every honest run went through that relay without a refusal."""
+    records = scenario.results["exfil"]
+    assert records
+    for record in records:
+        assert record["acquire"] == {"own": 403, "host": ["ConnectionRefusedError"] * N_AGENTS}
+    refusals = [
+        line
+        for node in scenario.supernodes
+        for line in node.log_text().splitlines()
+        if "refused a Runtime API call of the ClientApp" in line
+    ]
+    assert len(refusals) == len(records)  # one per hostile ClientApp, none in the honest runs
+    assert all("'/v1/runtime/acquire-task'" in line for line in refusals)
 
 
 def test_honest_spend_is_intact(scenario: World) -> None:

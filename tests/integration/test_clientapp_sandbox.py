@@ -17,15 +17,20 @@ tests/e2e/test_hostile_bundle.py.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -44,6 +49,10 @@ HOSTILE = (
     "while True:\n"
     "    time.sleep(1)\n"
 )
+
+
+# As Flower's SuperNode starts a ClientApp (flwr 1.42, supercore/superexec/executor/subprocess_executor.py).
+FLOWER_ARGS = ("--runtime-api-address", "127.0.0.1:9", "--token", "ab" * 32, "--insecure")
 
 
 def marked() -> list[int]:
@@ -75,7 +84,9 @@ def shim_with(tmp_path: Path, stand_in: str) -> Path:
 
 def test_a_clientapp_that_ignores_stop_signals_is_killed_with_everything_it_started(tmp_path: Path) -> None:
     shim = shim_with(tmp_path, HOSTILE)
-    proc = subprocess.Popen([sys.executable, str(shim)], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(shim), *FLOWER_ARGS], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     report = proc.stdout.readline()  # the stand-in's first line (everything outside its run's folder is read-only)
     try:
@@ -116,7 +127,9 @@ def test_a_clientapp_ends_with_its_task_whatever_threads_it_leaves(tmp_path: Pat
     shim = shim_with(tmp_path, LINGER)
     started = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, str(shim)], start_new_session=True, timeout=60, check=False)
+        done = subprocess.run(
+            [sys.executable, str(shim), *FLOWER_ARGS], start_new_session=True, timeout=60, check=False
+        )
         assert done.returncode == 0 and time.monotonic() - started < 30
         time.sleep(0.5)
         assert marked() == []
@@ -130,13 +143,21 @@ def test_a_clientapp_that_never_returns_is_killed_after_its_time(tmp_path: Path)
     env = {**os.environ, clientapp_sandbox.MAX_ENV: "2"}
     try:
         done = subprocess.run(
-            [sys.executable, str(shim)], start_new_session=True, env=env, capture_output=True, text=True, timeout=60
+            [sys.executable, str(shim), *FLOWER_ARGS],
+            start_new_session=True,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert done.returncode != 0 and "ran past 2 s (FEDFILTER_CLIENTAPP_MAX_SECONDS)" in done.stderr
         time.sleep(0.5)
         assert marked() == []
         bad = subprocess.run(
-            [sys.executable, str(shim)], env={**env, clientapp_sandbox.MAX_ENV: "inf"}, capture_output=True, text=True
+            [sys.executable, str(shim), *FLOWER_ARGS],
+            env={**env, clientapp_sandbox.MAX_ENV: "inf"},
+            capture_output=True,
+            text=True,
         )
         assert bad.returncode == clientapp_sandbox.EX_CONFIG and "expected a number of seconds > 0" in bad.stderr
     finally:
@@ -212,7 +233,7 @@ def test_inside_the_host_cpu_counters_are_masked_and_the_masks_stay(tmp_path: Pa
     """A hostile review read the agent's CPU time per request, to the microsecond, from its systemd cgroup's
     cpu.stat under /sys (world-readable) inside the sandbox: pacing hides wall time only (privacy.md §8)."""
     shim = shim_with(tmp_path, PROBE)
-    command = [sys.executable, str(shim)]
+    command = [sys.executable, str(shim), *FLOWER_ARGS]
     if user == "unprivileged":
         python = _unprivileged_python() if os.geteuid() == 0 and shutil.which("setpriv") else None
         if python is None:
@@ -220,7 +241,7 @@ def test_inside_the_host_cpu_counters_are_masked_and_the_masks_stay(tmp_path: Pa
         shared = Path(tempfile.mkdtemp(prefix="fedfilter-sandbox-test-"))  # pytest's folders are root's alone
         shared.chmod(0o755)
         shim = Path(shutil.copy(shim, shared / "shim.py"))
-        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, str(shim)]
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, str(shim), *FLOWER_ARGS]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd="/", check=False)
     finally:
@@ -290,9 +311,161 @@ def test_a_run_folder_its_clientapp_locked_is_removed_and_the_nodes_output_is_on
     log = tmp_path / "node.log"
     log.write_text("the node's first line\n")
     with log.open("a") as out:
-        done = subprocess.run([sys.executable, str(shim)], stdout=out, stderr=subprocess.PIPE, timeout=60, check=False)
+        done = subprocess.run(
+            [sys.executable, str(shim), *FLOWER_ARGS], stdout=out, stderr=subprocess.PIPE, timeout=60, check=False
+        )
     assert done.returncode == 0, done.stderr
     lines = log.read_text().splitlines()
     assert lines[0] == "the node's first line"  # appended to, through the wrapper's pipe, never rewritten
     run = Path(lines[1])
     assert run.name.startswith("fedfilter-clientapp-") and not run.exists()
+
+
+# What a hostile ClientApp tries on the Runtime API (a review claimed a later run's task with AcquireTask, which
+# takes no token in Flower 1.42's subprocess mode, on its own SuperNode and on another of the host's).
+RELAY_PROBE = """\
+import http.client, json, socket
+args = sys.argv[1:]
+host, port = args[args.index('--runtime-api-address') + 1].rsplit(':', 1)
+token = args[args.index('--token') + 1]
+def call(method, path, headers, body=b'', conn=None):
+    c = conn or http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        c.putrequest(method, path, skip_accept_encoding=True)
+        for name, value in headers:
+            c.putheader(name, value)
+        if not any(name.lower() == 'transfer-encoding' for name, _ in headers):
+            c.putheader('Content-Length', str(len(body)))
+        c.endheaders(body)
+        r = c.getresponse()
+        return [r.status, r.read().decode('latin-1')]
+    except (OSError, http.client.HTTPException) as exc:
+        return ['error', type(exc).__name__]
+    finally:
+        if conn is None:
+            c.close()
+mine = [('flwr-task-token', token), ('content-type', 'application/protobuf')]
+seen = {'args': args}
+seen['pull'] = call('POST', '/v1/runtime/pull-task-input', mine, bytes(range(256)) * 400)
+kept = http.client.HTTPConnection(host, int(port), timeout=20)
+seen['again'] = [call('POST', '/v1/runtime/send-task-heartbeat', mine, b'beat', kept) for _ in range(2)]
+seen['acquire'] = call('POST', '/v1/runtime/acquire-task', [], b'')
+seen['acquire_token'] = call('POST', '/v1/runtime/acquire-task', mine, b'')
+seen['create'] = call('POST', '/v1/runtime/create-task', mine, b'')
+seen['other_token'] = call('POST', '/v1/runtime/pull-task-input', [('flwr-task-token', 'f' * 64)], b'')
+seen['no_token'] = call('POST', '/v1/runtime/pull-task-input', [], b'')
+seen['two_tokens'] = call('POST', '/v1/runtime/pull-task-input', mine + [('flwr-task-token', 'f' * 64)], b'')
+seen['get'] = call('GET', '/v1/runtime/pull-task-input', mine)
+seen['dotted'] = call('POST', '/v1/runtime/pull-task-input/../acquire-task', mine, b'')
+seen['chunked'] = call('POST', '/v1/runtime/pull-task-input', mine + [('Transfer-Encoding', 'chunked')])
+def reach(port):
+    try:
+        socket.create_connection(('127.0.0.1', port), timeout=5).close()
+        return 'connected'
+    except OSError as exc:
+        return type(exc).__name__
+seen['direct'] = reach(UPSTREAM)  # the SuperNode's own port, on the host's loopback
+seen['interfaces'] = sorted(name for _, name in socket.if_nameindex())
+sys.stdout.write(json.dumps(seen))
+code = 0
+"""
+
+
+class _Upstream(http.server.BaseHTTPRequestHandler):
+    """A stand-in for the SuperNode's Runtime API: records each call and answers with what it got."""
+
+    protocol_version = "HTTP/1.1"
+    calls: ClassVar[list[tuple[str, list[str], bytes]]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.calls.append((self.path, self.headers.get_all("flwr-task-token") or [], body))
+        answer = b"got " + str(len(body)).encode() + b" " + body[:4]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/protobuf")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_the_clientapp_reaches_only_its_own_tasks_calls_through_the_relay(tmp_path: Path) -> None:
+    """A hostile review's ClientApp, kept alive past its reply, polled the SuperNode's Runtime API with
+    AcquireTask (no token needed) and claimed a later run's task, also on another SuperNode's port. In a
+    network namespace of its own it reaches only the relay, which passes its own task's calls with its token."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    _Upstream.calls = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    token = "0123456789abcdef" * 4
+    try:
+        shim = shim_with(tmp_path, f"UPSTREAM = {port}\n" + RELAY_PROBE)
+        args = ["--runtime-api-address", f"127.0.0.1:{port}", "--token", token, "--insecure", "--flag-kept"]
+        done = subprocess.run(
+            [sys.executable, str(shim), *args], capture_output=True, text=True, timeout=60, cwd="/", check=False
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    # Flower's arguments, the API at the relay (plain HTTP: the relay and the ClientApp share its loopback only).
+    relay = f"127.0.0.1:{clientapp_sandbox.RELAY_PORT}"
+    assert seen["args"] == ["--runtime-api-address", relay, "--insecure", "--token", token, "--flag-kept"]
+    body = bytes(range(256)) * 400
+    assert seen["pull"] == [200, "got 102400 " + body[:4].decode("latin-1")]
+    assert seen["again"] == [[200, "got 4 beat"]] * 2  # one connection, kept alive
+    forbidden = "fedfilter sandbox: "
+    for name in ("acquire", "acquire_token", "create", "get", "dotted"):
+        assert seen[name] == [403, forbidden + "not a call of this task's ClientApp\n"], name
+    for name in ("other_token", "no_token", "two_tokens"):
+        assert seen[name] == [403, forbidden + "not this task's token\n"], name
+    assert seen["chunked"] == [411, forbidden + "expected a Content-Length body\n"]
+    assert seen["direct"] == "ConnectionRefusedError"  # the host's loopback is not its loopback
+    assert seen["interfaces"] == ["lo"]
+    # The SuperNode got its three calls, each with its token, and nothing else.
+    assert [(path, tokens) for path, tokens, _ in _Upstream.calls] == [
+        ("/v1/runtime/pull-task-input", [token]),
+        ("/v1/runtime/send-task-heartbeat", [token]),
+        ("/v1/runtime/send-task-heartbeat", [token]),
+    ]
+    assert _Upstream.calls[0][2] == body
+    assert done.stderr.count("refused a Runtime API call of the ClientApp") == 9
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--runtime-api-address", "127.0.0.1:9094", "--insecure"], "expected the task's token as --token T"),
+        (["--runtime-api-address", "127.0.0.1:9094", "--token-stdin"], "found --token-stdin"),
+        (["--token", "ab", "--insecure"], "expected --runtime-api-address HOST:PORT, found none"),
+        (["--runtime-api-address", "nowhere", "--token", "ab"], "expected HOST:PORT, found 'nowhere'"),
+        (["--token"], "--token: expected a value, found none"),
+    ],
+)
+def test_the_shim_refuses_arguments_it_cannot_relay(args: list[str], expected: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        clientapp_sandbox.Relay.for_args(args)
+
+
+def test_the_relay_speaks_tls_to_the_api_when_the_supernode_named_its_certificates(tmp_path: Path) -> None:
+    from simulations.deploy.certs import make_certificates
+
+    certs = make_certificates(tmp_path / "certs")
+    args = ["--runtime-api-address=[::1]:9094", f"--root-certificates={certs.ca_cert}", "--token", " ab ", "--x"]
+    out, relay = clientapp_sandbox.Relay.for_args(args)
+    assert out == [
+        "--runtime-api-address",
+        f"127.0.0.1:{clientapp_sandbox.RELAY_PORT}",
+        "--insecure",
+        "--token",
+        "ab",
+        "--x",
+    ]
+    assert relay.upstream == ("::1", 9094) and relay.token == b"ab" and relay.tls is not None
+    assert relay.tls.verify_mode == ssl.CERT_REQUIRED and relay.tls.check_hostname
+    assert (
+        clientapp_sandbox.Relay.for_args(["--runtime-api-address", "h:1", "--token", "t", "--insecure"])[1].tls is None
+    )
