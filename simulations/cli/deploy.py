@@ -45,11 +45,13 @@ def add_parser(sub: Subparsers) -> None:
 
     shim = sub.add_parser(
         "node-shim",
-        help="write the flwr-clientapp shim for a SuperNode's PATH (fresh folders, a PID namespace per run)",
+        help="write the flwr-clientapp shim for a SuperNode's PATH (fresh folders, namespaces of its own per run)",
         description=(
             "Writes DIR/flwr-clientapp (mode 0755), run by --python (default: this interpreter). Put DIR first on the "
-            "SuperNode's PATH: each ClientApp then runs in fresh folders and its own PID namespace, so nothing a run's "
-            "bundle writes or starts outlives the run (docs/deploy.md section 9)."
+            "SuperNode's PATH: each ClientApp then runs in fresh folders and namespaces of its own (PID, mount, "
+            "network: its SuperNode's Runtime API only through a relay that passes its own task's calls), so nothing "
+            "a run's bundle writes or starts outlives the run. Every other command Flower starts for a task "
+            "(flwr-agentapp, ...) is written there too, and refuses its task (docs/deploy.md section 9)."
         ),
     )
     shim.add_argument("dir", type=Path, help="the folder for flwr-clientapp (e.g. /opt/fedfilter/node-bin)")
@@ -98,10 +100,11 @@ def run_deployed(args: argparse.Namespace) -> int:
 def run_node_shim(args: argparse.Namespace) -> int:
     import sys
 
-    from simulations.deploy.clientapp_sandbox import namespaces_work, write_shim
+    from simulations.deploy.clientapp_sandbox import REFUSED_COMMANDS, namespaces_work, write_shim
 
     path = write_shim(args.dir, args.python or sys.executable)
     print(f"wrote {path}; put {args.dir} first on the SuperNode's PATH")
+    print(f"beside it, {', '.join(REFUSED_COMMANDS)} each refuse their task: a node runs ClientApps only")
     why = namespaces_work("unshare")
     if why is not None:
         print(f"warning: this host cannot make PID namespaces ({why}); the shim will refuse to start ClientApps")

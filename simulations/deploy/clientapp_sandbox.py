@@ -54,6 +54,7 @@ import contextlib
 import ctypes
 import hmac
 import os
+import re
 import shutil
 import signal
 import socket
@@ -271,6 +272,24 @@ os.execv(sys.executable, [sys.executable, "-I", "-c", RUN, *sys.argv[4:]])
 FLOWER_CALL = "from flwr.supernode.cli import flwr_clientapp\nsys.argv[0] = 'flwr-clientapp'\ncode = flwr_clientapp()"
 # What the ClientApp keeps of the SuperNode's environment (Flower's own variables are kept too).
 KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "SSL_CERT_FILE", "SSL_CERT_DIR")
+# Flower's variables a ClientApp may see: its switches, never a secret of the node's (a hostile review read the
+# node's FLWR_MODEL_API_KEY and Slack secret from a ClientApp's environment, which it could reply with).
+KEEP_FLWR = (
+    "FLWR_TELEMETRY_ENABLED", "FLWR_TELEMETRY_LOGGING", "FLWR_DISABLE_UPDATE_CHECK", "FLWR_LOG_LEVEL",
+    "FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE", "FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS",
+    "FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES",
+)  # fmt: skip
+# Every other command Flower 1.42's SuperExec starts for a task (flwr.supercore.constant.TASK_TYPE_TO_COMMAND): a
+# fedfilter node runs ClientApps only. A hostile review's bundle declared an ``agentapp`` component, and its
+# SuperNode started the bundle's code as ``flwr-agentapp`` (Flower's own, next on the PATH) outside any sandbox:
+# in the host's namespaces, with the node's FLWR_HOME, AcquireTask on every SuperNode of the host, daemons that
+# outlived the run. :func:`write_shim` puts one of these beside the shim, each refusing its task.
+REFUSED_COMMANDS = ("flwr-agentapp", "flwr-serverapp", "flwr-simulation", "flwr-model", "flwr-connector")
+REFUSAL = """import sys
+sys.stderr.write("[fedfilter-clientapp] refusing a task of type %s: this node runs ClientApps only, each in "
+                 "fedfilter's sandbox (docs/deploy.md section 9)\\n" % sys.argv[0].rsplit("/", 1)[-1][:40])
+raise SystemExit(78)
+"""
 
 
 def run_program(call: str) -> str:
@@ -486,6 +505,14 @@ class Relay:
         return None
 
 
+# RFC 9110 §5.1 and §5.5: a field name is a token; a value holds visible characters, spaces and tabs (obs-text
+# kept), never CR, LF, NUL or another control (a lenient upstream would read a bare CR or a space in a name as
+# the end of a header, and the body after it as the next request).
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
+_TARGET = re.compile(r"/[\x21-\x7e]*")
+
+
 def _read_head(reader: IO[bytes]) -> tuple[str, str, dict[str, list[str]]] | None:
     """One HTTP/1.1 request line and its headers (names lower-cased); None at the end of the connection.
     ValueError for what is no HTTP/1.1 request head, or one over 64 KiB or 100 headers."""
@@ -493,7 +520,9 @@ def _read_head(reader: IO[bytes]) -> tuple[str, str, dict[str, list[str]]] | Non
     if not line:
         return None
     parts = line.decode("latin-1").rstrip("\r\n").split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not _TARGET.fullmatch(parts[1]):
+        raise ValueError("not an HTTP/1.1 request line")
+    if parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
         raise ValueError("not an HTTP/1.1 request line")
     headers: dict[str, list[str]] = {}
     total = len(line)
@@ -504,10 +533,11 @@ def _read_head(reader: IO[bytes]) -> tuple[str, str, dict[str, list[str]]] | Non
             raise ValueError("request head too long or cut")
         if line in (b"\r\n", b"\n"):
             return parts[0], parts[1], headers
-        name, colon, value = line.decode("latin-1").partition(":")
-        if not colon or not name or name != name.strip():
+        name, colon, value = line.decode("latin-1").rstrip("\r\n").partition(":")
+        value = value.strip(" \t")
+        if not colon or not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
             raise ValueError("malformed header")
-        headers.setdefault(name.lower(), []).append(value.strip())
+        headers.setdefault(name.lower(), []).append(value)
     raise ValueError("too many headers")
 
 
@@ -568,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         command += [str(theirs.fileno()), *args]
     run_dir = Path(tempfile.mkdtemp(prefix="fedfilter-clientapp-"))  # 0700, this user's
     (run_dir / "tmp").mkdir()
-    env = {k: v for k, v in os.environ.items() if k in KEEP or (k.startswith("FLWR_") and k != "FLWR_HOME")}
+    env = {k: v for k, v in os.environ.items() if k in KEEP or k in KEEP_FLWR}
     env |= {"FLWR_HOME": str(run_dir / "flwr"), "HOME": str(run_dir), "TMPDIR": str(run_dir / "tmp")}
     env |= {"PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     proc = subprocess.Popen(
@@ -737,12 +767,21 @@ def _alive(pid: int) -> bool:
 
 
 def write_shim(bin_dir: Path, python: str) -> Path:
-    """Write ``bin_dir/flwr-clientapp``: this file, run by ``python`` (an interpreter with Flower)."""
+    """Write ``bin_dir/flwr-clientapp``: this file, run by ``python`` (an interpreter with Flower); and beside it
+    each of :data:`REFUSED_COMMANDS`, which refuses its task (exit 78)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
-    shim = bin_dir / "flwr-clientapp"
     source = Path(__file__).read_text()
-    tmp = shim.with_name(f".flwr-clientapp.{os.getpid()}.{threading.get_ident()}.tmp")  # concurrent writers
-    tmp.write_text(f"#!{python}\n" + source + '\n\nif __name__ == "__main__":\n    raise SystemExit(main())\n')
+    for command in REFUSED_COMMANDS:
+        _write_executable(bin_dir / command, f"#!{python} -I\n" + REFUSAL)
+    return _write_executable(
+        bin_dir / "flwr-clientapp",
+        f"#!{python}\n" + source + '\n\nif __name__ == "__main__":\n    raise SystemExit(main())\n',
+    )
+
+
+def _write_executable(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # concurrent writers
+    tmp.write_text(text)
     tmp.chmod(0o755)
-    tmp.replace(shim)
-    return shim
+    tmp.replace(path)
+    return path

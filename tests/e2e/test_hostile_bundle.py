@@ -648,6 +648,124 @@ def scenario(world: World) -> World:
     return world
 
 
+# --- a bundle that is no ClientApp --------------------------------------------------------------
+
+# An AgentApp bundle (an ``agentapp`` component): a hostile review's was started by the SuperNode as
+# ``flwr-agentapp``, Flower's own, outside any sandbox. On the SuperLink's side (the coordinator's own agent,
+# node 1) it sends a message to every node, which makes each SuperNode start its task; on a node's side it
+# would report where it runs.
+AGENT_APP = """
+import json, os, socket, time
+from flwr.agentapp import AgentApp
+
+COLLECTOR = {collector!r}
+DONE = {done!r}
+app = AgentApp()
+
+
+def send(name, text):
+    out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    out.sendto(name.encode() + bytes(1) + text.encode(), COLLECTOR)
+    out.close()
+
+
+@app.main()
+def main(agent, context):
+    if context.node_id == 1:
+        nodes = json.loads(agent.grid.call({{"name": "get_nodes", "call_id": "a", "arguments": {{}}}})["output"])
+        messages = [{{"dst_node_id": n["id"], "payload": "hi", "reply_to_message_id": None}} for n in nodes["nodes"]]
+        agent.grid.call({{"name": "push_messages", "call_id": "b", "arguments": {{"messages": messages}}}})
+        send("agentapp-superlink.jsonl", json.dumps({{"nodes": len(nodes["nodes"])}}) + chr(10))
+        deadline = time.time() + 120
+        while time.time() < deadline and not os.path.exists(DONE):  # the test has seen every node's answer
+            time.sleep(0.2)
+        return
+    send("agentapp-node.jsonl", json.dumps({{"uid": os.getuid(), "net": os.readlink("/proc/self/ns/net")}}) + chr(10))
+"""
+AGENT_APP_TOML = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "hostileagent"
+version = "1.0.0"
+description = "an AgentApp bundle"
+license = "Apache-2.0"
+dependencies = []
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "hostile"
+
+[tool.flwr.app.components]
+agentapp = "hostileagent.agent:app"
+"""
+# Starts the bundle's run on the SuperLink's Control API, as `flwr` would (an AgentApp run takes a prompt).
+START_RUN = """
+import hashlib, sys
+from pathlib import Path
+from flwr.cli.build import build_fab_from_disk
+from flwr.cli.flower_config import read_superlink_connection
+from flwr.cli.utils import init_http_client_from_connection
+from flwr.proto.control_pb2 import StartRunRequest
+from flwr.proto.fab_pb2 import Fab
+
+connection = read_superlink_connection(sys.argv[2])
+fab = build_fab_from_disk(Path(sys.argv[1]))
+request = StartRunRequest(fab=Fab(hash_str=hashlib.sha256(fab).hexdigest(), content=fab), user_prompt="hello",
+                          federation=connection.federation or "")
+print(init_http_client_from_connection(connection).StartRun(request).run_id)
+"""
+
+
+@pytest.fixture(scope="module")
+def agentapp_run(scenario: World) -> World:
+    """After the scenario: an AgentApp bundle's run; every SuperNode's log, once each has refused its task."""
+    from simulations.deploy.certs import CONNECTION
+
+    app = scenario.root / "agentapp"
+    (app / "hostileagent").mkdir(parents=True)
+    (app / "hostileagent" / "__init__.py").write_text("")
+    done = scenario.exfil / "agentapp-done"
+    code = AGENT_APP.format(collector=str(scenario.exfil / "collector.sock"), done=str(done))
+    (app / "hostileagent" / "agent.py").write_text(code)
+    (app / "pyproject.toml").write_text(AGENT_APP_TOML)
+    seen = [len(node.log_text()) for node in scenario.supernodes]
+    started = subprocess.run(
+        [sys.executable, "-c", START_RUN, str(app), CONNECTION],
+        env=scenario.dep.env(scenario.dep.flwr_home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert started.returncode == 0, started.stderr[-2000:]
+    refusal = "refusing a task of type flwr-agentapp"
+    logs = lambda: [node.log_text()[n:] for node, n in zip(scenario.supernodes, seen, strict=True)]  # noqa: E731
+    try:
+        wait_for(lambda: all(refusal in log for log in logs()), timeout=120, what="every SuperNode refusing its task")
+        assert scenario.collector is not None
+        scenario.collector.settle(quiet_s=2.0)
+        scenario.results["agentapp_logs"] = logs()
+    finally:
+        done.touch()  # the coordinator's side returns, and its run ends
+    wait_for(lambda: not agentapp_processes(), timeout=60, what="the AgentApp's processes to end")
+    return scenario
+
+
+def agentapp_processes() -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"flwr-agentapp" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
 def daemon_processes() -> list[tuple[int, int]]:
     """(pid, uid) of every live process whose command line carries the hostile daemon's mark."""
     found = []
@@ -791,6 +909,17 @@ def test_a_bundle_claims_no_task_through_the_runtime_api(scenario: World) -> Non
     ]
     assert len(refusals) == len(records)  # one per hostile ClientApp, none in the honest runs
     assert all("'/v1/runtime/acquire-task'" in line for line in refusals)
+
+
+def test_a_bundle_that_is_no_clientapp_runs_nowhere_on_a_node(agentapp_run: World) -> None:
+    """A hostile review's AgentApp bundle ran as Flower's own ``flwr-agentapp`` on the node, outside the sandbox
+    (host namespaces, the node's FLWR_HOME, AcquireTask on every SuperNode, a daemon that outlived the run).
+    Every task command but the ClientApp's refuses now (simulations/deploy/clientapp_sandbox.py REFUSED_COMMANDS)."""
+    exfil = agentapp_run.exfil
+    assert (exfil / "agentapp-superlink.jsonl").exists()  # the coordinator's side ran and messaged every node
+    assert not (exfil / "agentapp-node.jsonl").exists()  # no node ran the bundle's code
+    for log in agentapp_run.results["agentapp_logs"]:
+        assert "refusing a task of type flwr-agentapp: this node runs ClientApps only" in log
 
 
 def test_honest_spend_is_intact(scenario: World) -> None:

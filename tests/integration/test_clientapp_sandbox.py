@@ -364,6 +364,26 @@ def reach(port):
         return 'connected'
     except OSError as exc:
         return type(exc).__name__
+def raw(head):  # a request head as bytes, whatever http.client would refuse to send
+    with socket.create_connection((host, int(port)), timeout=20) as c:
+        c.sendall(head)
+        got = b''
+        while chunk := c.recv(65536):
+            got += chunk
+        return got.decode('latin-1')
+hidden = 'POST /v1/runtime/acquire-task HTTP/1.1\\r\\nContent-Length: 0\\r\\n\\r\\n'
+seen['raw'] = {
+    'space_in_name': raw(('POST /v1/runtime/pull-task-input HTTP/1.1\\r\\nflwr-task-token: ' + token +
+                          '\\r\\nX A: 1\\r\\nContent-Length: ' + str(len(hidden)) + '\\r\\n\\r\\n' + hidden).encode()),
+    'bare_cr': raw(('POST /v1/runtime/pull-task-input HTTP/1.1\\r\\nflwr-task-token: ' + token +
+                    '\\r\\nX-A: a\\rB: c\\r\\nContent-Length: 0\\r\\n\\r\\n').encode()),
+    'nul': raw(('POST /v1/runtime/pull-task-input HTTP/1.1\\r\\nflwr-task-token: ' + token +
+                '\\r\\nX-A: a\\x00b\\r\\nContent-Length: 0\\r\\n\\r\\n').encode()),
+    'absolute': raw(('POST http://x/v1/runtime/pull-task-input HTTP/1.1\\r\\nflwr-task-token: ' + token +
+                     '\\r\\nContent-Length: 0\\r\\n\\r\\n').encode()),
+    'http2': raw(b'PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n'),
+}
+seen['env'] = sorted(k for k in os.environ if k.startswith('FLWR_'))
 seen['direct'] = reach(UPSTREAM)  # the SuperNode's own port, on the host's loopback
 seen['interfaces'] = sorted(name for _, name in socket.if_nameindex())
 sys.stdout.write(json.dumps(seen))
@@ -403,8 +423,16 @@ def test_the_clientapp_reaches_only_its_own_tasks_calls_through_the_relay(tmp_pa
     try:
         shim = shim_with(tmp_path, f"UPSTREAM = {port}\n" + RELAY_PROBE)
         args = ["--runtime-api-address", f"127.0.0.1:{port}", "--token", token, "--insecure", "--flag-kept"]
+        # A node's secrets in Flower's variables stay with the node (a review's ClientApp read them).
+        env = {**os.environ, "FLWR_MODEL_API_KEY": "sk-node-secret", "FLWR_TELEMETRY_ENABLED": "0"}
         done = subprocess.run(
-            [sys.executable, str(shim), *args], capture_output=True, text=True, timeout=60, cwd="/", check=False
+            [sys.executable, str(shim), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+            check=False,
+            env=env,
         )
     finally:
         server.shutdown()
@@ -425,6 +453,10 @@ def test_the_clientapp_reaches_only_its_own_tasks_calls_through_the_relay(tmp_pa
     assert seen["chunked"] == [411, forbidden + "expected a Content-Length body\n"]
     assert seen["direct"] == "ConnectionRefusedError"  # the host's loopback is not its loopback
     assert seen["interfaces"] == ["lo"]
+    # What a lenient parser upstream could read as two requests, or no HTTP/1.1 at all: the connection ends, unsent
+    # (a space in a name cut the relay's own Content-Length off a lenient server, the body read as a request).
+    assert seen["raw"] == {name: "" for name in ("space_in_name", "bare_cr", "nul", "absolute", "http2")}
+    assert "FLWR_MODEL_API_KEY" not in seen["env"] and "FLWR_TELEMETRY_ENABLED" in seen["env"]
     # The SuperNode got its three calls, each with its token, and nothing else.
     assert [(path, tokens) for path, tokens, _ in _Upstream.calls] == [
         ("/v1/runtime/pull-task-input", [token]),
@@ -469,3 +501,24 @@ def test_the_relay_speaks_tls_to_the_api_when_the_supernode_named_its_certificat
     assert (
         clientapp_sandbox.Relay.for_args(["--runtime-api-address", "h:1", "--token", "t", "--insecure"])[1].tls is None
     )
+
+
+def test_every_task_command_but_the_clientapps_refuses_its_task(tmp_path: Path) -> None:
+    """A hostile review's bundle declared an ``agentapp`` component, and the SuperNode started its code as Flower's
+    own ``flwr-agentapp``, outside the sandbox. The shim's folder has every task command Flower's SuperExec
+    starts (flwr.supercore.constant.TASK_TYPE_TO_COMMAND, read here so that a new one in Flower fails this test),
+    and each one but ``flwr-clientapp`` refuses its task."""
+    from flwr.supercore.constant import TASK_TYPE_TO_COMMAND
+
+    assert set(clientapp_sandbox.REFUSED_COMMANDS) == set(TASK_TYPE_TO_COMMAND.values()) - {"flwr-clientapp"}
+    shim = clientapp_sandbox.write_shim(tmp_path / "bin", sys.executable)
+    assert shim == tmp_path / "bin" / "flwr-clientapp"
+    assert sorted(p.name for p in shim.parent.iterdir()) == sorted({*TASK_TYPE_TO_COMMAND.values()})
+    for command in clientapp_sandbox.REFUSED_COMMANDS:
+        args = [str(shim.parent / command), "--runtime-api-address", "127.0.0.1:9", "--token", "ab", "--insecure"]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+        assert done.returncode == clientapp_sandbox.EX_CONFIG
+        assert done.stderr == (
+            f"[fedfilter-clientapp] refusing a task of type {command}: this node runs ClientApps only, each in "
+            "fedfilter's sandbox (docs/deploy.md section 9)\n"
+        )
