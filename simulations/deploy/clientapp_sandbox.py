@@ -570,6 +570,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < limit < float("inf"):
         _log(f"{MAX_ENV}: expected a number of seconds > 0, found {os.environ.get(MAX_ENV)!r}; not starting it")
         return EX_CONFIG
+    log_limit = os.environ.get(LOG_ENV, str(MAX_LOG_BYTES)).strip()
+    if not log_limit.isdigit() or len(log_limit) > 15:
+        _log(
+            f"{LOG_ENV}: expected a whole number of bytes, found {os.environ.get(LOG_ENV, '')[:40]!r}; not starting it"
+        )
+        return EX_CONFIG
     if os.geteuid() == 0:
         _log(
             "warning: the SuperNode runs as root, so its ClientApps are root on every root-owned file they can "
@@ -615,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         pass_fds=(theirs.fileno(),) if relay is not None else (),
     )
     copies = [
-        threading.Thread(target=_copy, args=(source, sink), daemon=True)
+        threading.Thread(target=_copy, args=(source, sink, int(log_limit)), daemon=True)
         for source, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
     ]
     for copy in copies:
@@ -676,13 +682,35 @@ def main(argv: list[str] | None = None) -> int:
         _remove(run_dir)
 
 
-def _copy(source: IO[bytes] | None, sink: TextIO) -> None:
-    """Copy a ClientApp's output to this wrapper's own, chunk by chunk, until every writer is gone."""
+# A ClientApp's output goes into the node's log, which outlives the run: a review's could fill the log's disk and
+# write terminal controls into it. Each stream is copied up to this many bytes a run, then drained unwritten; its
+# control characters are escaped (\\xNN), but newlines, tabs and colour codes (ESC [ ... m, Flower's log levels).
+LOG_ENV = "FEDFILTER_CLIENTAPP_MAX_LOG_BYTES"
+MAX_LOG_BYTES = 16 << 20
+_CONTROL = re.compile(rb"\x1b\[[0-9;]{0,16}m|[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def _escaped(match: re.Match[bytes]) -> bytes:
+    found = match.group()
+    return found if len(found) > 1 else b"\\x%02x" % found[0]
+
+
+def _copy(source: IO[bytes] | None, sink: TextIO, limit: int = MAX_LOG_BYTES) -> None:
+    """Copy a ClientApp's output to this wrapper's own, chunk by chunk, until every writer is gone: its control
+    characters escaped (:data:`_CONTROL`), at most ``limit`` bytes, then one line saying the rest is dropped."""
     if source is None:
         return
+    copied = 0
     with contextlib.suppress(OSError, ValueError):
         while chunk := os.read(source.fileno(), 65536):
-            sink.buffer.write(chunk)
+            if copied >= limit:
+                continue  # drained, so that the ClientApp never blocks on a full pipe
+            chunk = chunk[: limit - copied]
+            copied += len(chunk)
+            sink.buffer.write(_CONTROL.sub(_escaped, chunk))
+            if copied >= limit:
+                note = f"the ClientApp's output passed {limit} bytes ({LOG_ENV}); dropping the rest"
+                sink.buffer.write(f"\n[fedfilter-clientapp] {note}\n".encode())
             sink.buffer.flush()
 
 

@@ -522,3 +522,71 @@ def test_every_task_command_but_the_clientapps_refuses_its_task(tmp_path: Path) 
             f"[fedfilter-clientapp] refusing a task of type {command}: this node runs ClientApps only, each in "
             "fedfilter's sandbox (docs/deploy.md section 9)\n"
         )
+
+
+# systemd settings that mount over parts of /proc; under any of them the kernel refuses an unprivileged process a
+# fresh /proc (mount_too_revealing: the existing one is not fully visible), so the sandbox cannot start.
+PROC_OVERMOUNTS = ("ProtectKernelTunables", "ProtectKernelLogs", "ProtectProc", "ProcSubset")
+
+
+def test_the_documented_supernode_unit_leaves_proc_whole_for_the_sandbox() -> None:
+    """A review found the unit's ProtectKernelTunables=yes (/proc/sys read-only over the host's /proc) made every
+    ClientApp exit 78: the sandbox's unshare --mount-proc failed. Below, that layout, reproduced."""
+    unit = Path(clientapp_sandbox.__file__).parents[2] / "docs" / "systemd" / "flower-supernode@.service"
+    settings = {line.split("=", 1)[0].strip() for line in unit.read_text().splitlines() if "=" in line[:40]}
+    settings = {s for s in settings if not s.startswith("#")}
+    assert "ExecStart" in settings and not settings & set(PROC_OVERMOUNTS)
+
+
+def test_proc_mounted_over_keeps_the_sandbox_from_starting() -> None:
+    """Why the unit leaves /proc whole: /proc/sys bound read-only over the host's /proc, as ProtectKernelTunables
+    does, and the sandbox's namespaces cannot be made by an unprivileged user; without it they can."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("unshare") is None:
+        cannot_run("needs root, setpriv and unshare to lay out /proc as systemd would")
+    sandbox = "setpriv --reuid=65534 --regid=65534 --clear-groups unshare --user --map-root-user --pid --fork --mount "
+    sandbox += "--mount-proc true"
+    layouts = {"whole": sandbox, "overmounted": f"mount --bind -o ro /proc/sys /proc/sys && {sandbox}"}
+    done = {
+        name: subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        for name, command in layouts.items()
+    }
+    assert done["whole"].returncode == 0, done["whole"].stderr
+    assert done["overmounted"].returncode != 0 and "mount /proc failed" in done["overmounted"].stderr
+
+
+NOISY = (
+    "sys.stdout.write('\\x1b[92mINFO \\x1b[0m: Start\\n\\x1b[2J\\x1b]0;title\\x07\\r\\x00fake\\n')\n"
+    "sys.stdout.flush()\n"
+    "sys.stderr.write('e' * 5000)\n"
+    "sys.stderr.flush()\n"
+    "code = 0\n"
+)
+
+
+def test_the_clientapps_output_reaches_the_nodes_log_bounded_and_without_terminal_controls(tmp_path: Path) -> None:
+    """A review: a ClientApp's output, copied into the node's log without a limit, could fill the log's disk and
+    write terminal controls into a log that outlives the run. Flower's colour codes pass; other controls are
+    escaped; past FEDFILTER_CLIENTAPP_MAX_LOG_BYTES a stream is drained, not written."""
+    shim = shim_with(tmp_path, NOISY)
+    env = {**os.environ, clientapp_sandbox.LOG_ENV: "1000"}
+    done = subprocess.run([sys.executable, str(shim), *FLOWER_ARGS], capture_output=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b"\x1b[92mINFO \x1b[0m: Start\n\\x1b[2J\\x1b]0;title\\x07\\x0d\\x00fake\n"
+    copied = done.stderr.split(b"\n[fedfilter-clientapp] the ClientApp's output passed 1000 bytes")
+    assert len(copied) == 2 and copied[0].endswith(b"e" * 1000)
+    assert done.stderr.count(b"e" * 10) == 100 and b"e" * 1001 not in done.stderr
+    bad = subprocess.run(
+        [sys.executable, str(shim), *FLOWER_ARGS],
+        capture_output=True,
+        text=True,
+        env={**env, clientapp_sandbox.LOG_ENV: "lots"},
+    )
+    assert (
+        bad.returncode == clientapp_sandbox.EX_CONFIG and "expected a whole number of bytes, found 'lots'" in bad.stderr
+    )
