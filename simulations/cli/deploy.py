@@ -107,5 +107,5 @@ def run_node_shim(args: argparse.Namespace) -> int:
     print(f"beside it, {', '.join(REFUSED_COMMANDS)} each refuse their task: a node runs ClientApps only")
     why = namespaces_work("unshare")
     if why is not None:
-        print(f"warning: this host cannot make PID namespaces ({why}); the shim will refuse to start ClientApps")
+        print(f"warning: this host cannot make the sandbox's namespaces ({why}); the shim will refuse ClientApps")
     return 0

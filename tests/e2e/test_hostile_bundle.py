@@ -11,7 +11,8 @@ Two client agents on loopback, as separate OS users would run them:
   after a restart), as a host shared by two agents would have it; what keeps agent i's SuperNode
   from agent j's socket is agent j's ``agent-socket-peers`` (SO_PEERCRED), not the file mode;
 - each SuperNode starts its ClientApps through fedfilter's ``flwr-clientapp`` shim
-  (:mod:`simulations.deploy.clientapp_sandbox`): fresh folders and a PID namespace per run.
+  (:mod:`simulations.deploy.clientapp_sandbox`): fresh folders and namespaces per run (PID, network: its
+  Runtime API only through a relay).
 
 In order:
 1. an honest run (two gradient rounds); agent 0's service is killed with SIGKILL while its request
