@@ -147,6 +147,7 @@ RELAYED = frozenset(
     )
 )  # fmt: skip
 RELAY_CONNECTIONS = 32  # at once; a further connection is closed unread
+RELAY_LOGGED = 20  # refusals logged a run (each one line of the node's log, which outlives the run)
 RELAY_TIMEOUT_S = 300.0  # per read or write, both ways (a pull of a large object is one response)
 # Hop-by-hop headers (RFC 9110 §7.6.1): the relay's own on each side, never passed on.
 HOP_BY_HOP = frozenset(
@@ -365,6 +366,8 @@ class Relay:
         self.slots = threading.BoundedSemaphore(RELAY_CONNECTIONS)
         self.listener: socket.socket | None = None
         self.closed = threading.Event()
+        self.refused = 0  # refusals so far; the first RELAY_LOGGED are logged (a flood would fill the node's log)
+        self.lock = threading.Lock()
 
     @staticmethod
     def for_args(args: list[str]) -> tuple[list[str], Relay]:
@@ -453,7 +456,7 @@ class Relay:
                 method, path, headers = head
                 refusal = self.refusal(method, path, headers)
                 if refusal is not None:
-                    _log(f"refused a Runtime API call of the ClientApp: {method[:16]!r} {path[:100]!r} ({refusal[1]})")
+                    self.log_refusal(f"{method[:16]!r} {path[:100]!r} ({refusal[1]})")
                     conn.sendall(_response(*refusal))
                     return
                 length = int(headers["content-length"][0])
@@ -489,6 +492,15 @@ class Relay:
         finally:
             conn.close()
             self.slots.release()
+
+    def log_refusal(self, what: str) -> None:
+        with self.lock:
+            self.refused += 1
+            count = self.refused
+        if count <= RELAY_LOGGED:
+            _log(f"refused a Runtime API call of the ClientApp: {what}")
+        if count == RELAY_LOGGED:
+            _log(f"{RELAY_LOGGED} refusals in this run: the further ones are not logged")
 
     def refusal(self, method: str, path: str, headers: dict[str, list[str]]) -> tuple[int, str] | None:
         """Why a request is not passed on, as (status, fixed text); None to pass it on."""
